@@ -1,0 +1,226 @@
+//! `cluster.toml`: the schema, its defaults, and validation on load.
+//!
+//! Parsing happens in two passes. serde + toml turn the text into `raw` structs (unknown keys,
+//! wrong types and unknown roles fail here, with the span toml reports); then [`validate`]
+//! turns those into [`ClusterConfig`], a type that cannot hold an invalid cluster (duplicate
+//! names, clashing addresses, policies out of range). Every error is a [`ConfigError`] that names
+//! the file, the line and the dotted key, and says what was expected. `docs/cluster-toml.md`
+//! documents every key and its default.
+
+mod locate;
+mod raw;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use locate::key_at;
+
+/// The actor kinds whose restart policy `[supervision.KIND]` may set.
+///
+/// Each kind is a kind of child a supervisor restarts; `default` applies to kinds not listed.
+pub const ACTOR_KINDS: &[&str] = &["supervisor", "listener", "link", "membership", "echo"];
+
+/// Largest `max_restarts` accepted; beyond this a crash loop is no longer a policy.
+pub const MAX_RESTARTS_LIMIT: u32 = 10_000;
+/// Largest restart window accepted, in seconds (one day).
+pub const MAX_WITHIN_SECS: u64 = 86_400;
+
+/// A validated cluster description.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The file this was loaded from (absolute when loaded from disk).
+    pub path: PathBuf,
+    /// Name of the cluster; part of the TLS handshake so two clusters never join by mistake.
+    pub name: String,
+    /// Where the certificate, key and token live.
+    pub credentials: CredentialsConfig,
+    /// Link-layer settings (QUIC between nodes).
+    pub link: LinkConfig,
+    /// Heartbeats and failure detection.
+    pub membership: MembershipConfig,
+    /// Restart policies by actor kind.
+    pub supervision: SupervisionConfig,
+    /// Every node of the cluster, in file order.
+    pub nodes: Vec<NodeConfig>,
+}
+
+/// Paths of the cluster credentials (all resolved against the config file's folder).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredentialsConfig {
+    /// Cluster certificate (PEM); every node presents it and accepts only it.
+    pub cert: PathBuf,
+    /// Private key of the cluster certificate (PEM).
+    pub key: PathBuf,
+    /// File holding the cluster token (admin API and link handshake).
+    pub token_file: PathBuf,
+}
+
+/// Link-layer settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// Largest envelope accepted on the wire; larger frames close the stream.
+    pub max_frame_bytes: u32,
+    /// Deadline for a request when the caller gives none.
+    pub request_timeout: Duration,
+    /// Deadline for dialing a peer and completing the handshake.
+    pub connect_timeout: Duration,
+    /// First reconnect delay after a link drops.
+    pub reconnect_min: Duration,
+    /// Ceiling of the exponential reconnect backoff.
+    pub reconnect_max: Duration,
+}
+
+/// Membership settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MembershipConfig {
+    /// How often each node pings every peer.
+    pub heartbeat_interval: Duration,
+    /// Consecutive missed heartbeats after which a peer is marked down.
+    pub failure_threshold: u32,
+}
+
+impl MembershipConfig {
+    /// The deadline within which a silent peer is marked down.
+    pub fn down_after(&self) -> Duration {
+        self.heartbeat_interval * self.failure_threshold
+    }
+}
+
+/// Restart policies: `default`, overridden per actor kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SupervisionConfig {
+    /// Policy for kinds without their own table.
+    pub default: RestartPolicy,
+    /// Policies set per kind.
+    pub per_kind: BTreeMap<String, RestartPolicy>,
+}
+
+impl SupervisionConfig {
+    /// The policy that governs children of `kind`.
+    pub fn policy(&self, kind: &str) -> RestartPolicy {
+        self.per_kind.get(kind).copied().unwrap_or(self.default)
+    }
+}
+
+/// At most `max_restarts` restarts within `within`; one more escalates to the parent (as in OTP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartPolicy {
+    /// Restarts allowed inside the window.
+    pub max_restarts: u32,
+    /// The sliding window.
+    pub within: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            max_restarts: 3,
+            within: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a node does in the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Front door: takes client requests and pairs workers.
+    Router,
+    /// Runs prompt prefill and streams KV to decode.
+    Prefill,
+    /// Holds KV pages and runs the decode batch.
+    Decode,
+}
+
+impl Role {
+    /// The role's name as written in cluster.toml.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Router => "router",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One node entry (`[[node]]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// Unique node name; the first segment of every actor path on it.
+    pub name: String,
+    /// The node's role.
+    pub role: Role,
+    /// UDP address of the node's QUIC link endpoint.
+    pub address: SocketAddr,
+    /// TCP address of the node's admin HTTP API.
+    pub admin: SocketAddr,
+}
+
+/// A cluster.toml that could not be loaded: where, which key, and what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}:{line}: `{key}`: {message}")]
+pub struct ConfigError {
+    /// The file (as given).
+    pub file: String,
+    /// 1-based line of the offending key (0 when the file could not be read).
+    pub line: usize,
+    /// Dotted key path, such as `node[2].address`.
+    pub key: String,
+    /// What is wrong and what is expected.
+    pub message: String,
+}
+
+impl ClusterConfig {
+    /// Reads and validates a cluster file.
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
+            line: 0,
+            key: String::new(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        Self::parse(&text, &path)
+    }
+
+    /// Validates cluster text as if it were the file at `path` (relative paths in it resolve
+    /// against `path`'s folder).
+    pub fn parse(text: &str, path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let file = path.display().to_string();
+        let raw: raw::RawConfig = toml::from_str(text).map_err(|e| {
+            let at = e.span().map_or(0, |s| s.start);
+            let (line, key) = key_at(text, at);
+            ConfigError {
+                file: file.clone(),
+                line,
+                key,
+                message: e.message().trim().to_string(),
+            }
+        })?;
+        raw::validate(raw, text, path)
+    }
+
+    /// The node called `name`.
+    pub fn node(&self, name: &str) -> Option<&NodeConfig> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// Every node except `name`.
+    pub fn peers_of<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a NodeConfig> + 'a {
+        self.nodes.iter().filter(move |n| n.name != name)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,255 @@
+use std::path::Path;
+use std::time::Duration;
+
+use super::*;
+
+const NODES: &str = r#"
+[[node]]
+name = "router"
+role = "router"
+address = "127.0.0.1:7100"
+
+[[node]]
+name = "p0"
+role = "prefill"
+address = "127.0.0.1:7101"
+"#;
+
+fn parse(text: &str) -> Result<ClusterConfig, ConfigError> {
+    ClusterConfig::parse(text, Path::new("/tmp/cluster.toml"))
+}
+
+#[test]
+fn defaults_fill_everything_not_written() {
+    let c = parse(NODES).expect("valid");
+    assert_eq!(c.name, "duet");
+    assert_eq!(c.nodes.len(), 2);
+    assert_eq!(c.nodes[1].admin, "127.0.0.1:7101".parse().unwrap());
+    assert_eq!(c.membership.down_after(), Duration::from_secs(2));
+    assert_eq!(c.supervision.policy("echo"), RestartPolicy::default());
+    assert_eq!(c.credentials.token_file, Path::new("/tmp/.duet/token"));
+    assert_eq!(c.link.max_frame_bytes, 16 << 20);
+}
+
+#[test]
+fn per_kind_policy_overrides_default() {
+    let text = format!(
+        "[supervision.default]\nmax_restarts = 1\n[supervision.echo]\nmax_restarts = 7\nwithin_secs = 60\n{NODES}"
+    );
+    let c = parse(&text).expect("valid");
+    assert_eq!(c.supervision.policy("link").max_restarts, 1);
+    assert_eq!(
+        c.supervision.policy("echo"),
+        RestartPolicy {
+            max_restarts: 7,
+            within: Duration::from_secs(60)
+        }
+    );
+}
+
+#[test]
+fn the_repository_default_cluster_is_valid() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster.toml");
+    let c = ClusterConfig::load(&path).expect("default cluster.toml is valid");
+    let roles: Vec<Role> = c.nodes.iter().map(|n| n.role).collect();
+    assert_eq!(roles, [Role::Router, Role::Prefill, Role::Decode]);
+    assert!(
+        c.nodes
+            .iter()
+            .all(|n| n.address.ip().is_loopback() && n.admin.ip().is_loopback())
+    );
+}
+
+/// Each invalid file, the line and key the error must name, and text the message must contain.
+#[test]
+fn invalid_files_name_line_key_and_expectation() {
+    let node = |name: &str, role: &str, addr: &str| {
+        format!("[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"{addr}\"\n")
+    };
+    let ok_a = node("a", "router", "127.0.0.1:7100");
+    let cases: Vec<(&str, String, usize, &str, &str)> = vec![
+        (
+            "unknown top-level key",
+            format!("colour = \"blue\"\n{ok_a}"),
+            1,
+            "colour",
+            "unknown field `colour`",
+        ),
+        (
+            "unknown node key",
+            format!("{ok_a}port = 3\n"),
+            5,
+            "node[0].port",
+            "unknown field `port`",
+        ),
+        (
+            "duplicate node name",
+            format!("{ok_a}{}", node("a", "prefill", "127.0.0.1:7101")),
+            6,
+            "node[1].name",
+            "duplicate node name `a`",
+        ),
+        (
+            "two nodes on one address",
+            format!("{ok_a}{}", node("b", "prefill", "127.0.0.1:7100")),
+            8,
+            "node[1].address",
+            "already the address of node `a`",
+        ),
+        (
+            "address that does not parse",
+            node("a", "router", "localhost"),
+            4,
+            "node[0].address",
+            "expected IP:PORT",
+        ),
+        (
+            "address without a port",
+            node("a", "router", "127.0.0.1"),
+            4,
+            "node[0].address",
+            "is not a socket address",
+        ),
+        (
+            "role that does not exist",
+            node("a", "trainer", "127.0.0.1:7100"),
+            3,
+            "node[0].role",
+            "unknown role `trainer`: expected one of `router`, `prefill`, `decode`",
+        ),
+        (
+            "role of the wrong type",
+            "[[node]]\nname = \"a\"\nrole = 3\naddress = \"127.0.0.1:7100\"\n".to_string(),
+            3,
+            "node[0].role",
+            "invalid type: integer `3`, expected a string",
+        ),
+        (
+            "restart intensity out of range",
+            format!("[supervision.echo]\nmax_restarts = 99999\n{ok_a}"),
+            2,
+            "supervision.echo.max_restarts",
+            "99999 is out of range: expected an integer from 0 to 10000",
+        ),
+        (
+            "restart window of zero",
+            format!("[supervision.default]\nwithin_secs = 0\n{ok_a}"),
+            2,
+            "supervision.default.within_secs",
+            "out of range: expected an integer from 1 to 86400",
+        ),
+        (
+            "restart policy for an unknown actor kind",
+            format!("[supervision.gpu]\nmax_restarts = 1\n{ok_a}"),
+            1,
+            "supervision.gpu",
+            "unknown actor kind `gpu`",
+        ),
+        (
+            "unknown key in a restart policy",
+            format!("[supervision.echo]\nretries = 1\n{ok_a}"),
+            2,
+            "supervision.echo.retries",
+            "unknown field `retries`",
+        ),
+        (
+            "no nodes",
+            "[cluster]\nname = \"x\"\n".to_string(),
+            1,
+            "node",
+            "expected at least one [[node]]",
+        ),
+        (
+            "node without a name",
+            "[[node]]\nrole = \"router\"\naddress = \"127.0.0.1:7100\"\n".to_string(),
+            1,
+            "node[0]",
+            "missing field `name`",
+        ),
+        (
+            "node name with a slash",
+            node("a/b", "router", "127.0.0.1:7100"),
+            2,
+            "node[0].name",
+            "not a valid node name",
+        ),
+        (
+            "heartbeat interval of zero",
+            format!("[membership]\nheartbeat_interval_ms = 0\n{ok_a}"),
+            2,
+            "membership.heartbeat_interval_ms",
+            "expected an integer from 10 to 60000",
+        ),
+        (
+            "failure threshold of zero",
+            format!("[membership]\nfailure_threshold = 0\n{ok_a}"),
+            2,
+            "membership.failure_threshold",
+            "expected an integer from 1 to 1000",
+        ),
+        (
+            "frame limit too small",
+            format!("[link]\nmax_frame_bytes = 10\n{ok_a}"),
+            2,
+            "link.max_frame_bytes",
+            "expected an integer from 1024",
+        ),
+        (
+            "reconnect backoff upside down",
+            format!("[link]\nreconnect_min_ms = 5000\nreconnect_max_ms = 100\n{ok_a}"),
+            2,
+            "link.reconnect_min_ms",
+            "expected min <= max",
+        ),
+        (
+            "two nodes on one admin address",
+            format!(
+                "{ok_a}admin = \"127.0.0.1:9000\"\n{}admin = \"127.0.0.1:9000\"\n",
+                node("b", "prefill", "127.0.0.1:7101")
+            ),
+            10,
+            "node[1].admin",
+            "already used by node `a`",
+        ),
+        (
+            "admin address that does not parse",
+            format!("{ok_a}admin = \"everywhere\"\n"),
+            5,
+            "node[0].admin",
+            "is not a socket address",
+        ),
+        (
+            "broken TOML",
+            format!("{ok_a}[[node]\n"),
+            5,
+            "node[0]",
+            "unclosed array table, expected `]`",
+        ),
+        (
+            "negative number",
+            format!("[link]\nrequest_timeout_ms = -1\n{ok_a}"),
+            2,
+            "link.request_timeout_ms",
+            "invalid value: integer `-1`",
+        ),
+    ];
+    assert!(cases.len() >= 15);
+    for (what, text, line, key, expect) in cases {
+        let err = match parse(&text) {
+            Ok(_) => panic!("{what}: accepted an invalid file:\n{text}"),
+            Err(e) => e,
+        };
+        assert_eq!(err.file, "/tmp/cluster.toml", "{what}");
+        assert_eq!((err.line, err.key.as_str()), (line, key), "{what}: {err}");
+        assert!(
+            err.message.contains(expect),
+            "{what}: message `{}` lacks `{expect}`",
+            err.message
+        );
+        let shown = err.to_string();
+        assert!(
+            shown.starts_with(&format!("/tmp/cluster.toml:{line}: `{key}`")),
+            "{what}: {shown}"
+        );
+    }
+}
