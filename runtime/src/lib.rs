@@ -2,3 +2,4 @@
 //!
 //! - [`config`]: `cluster.toml`, validated into types that cannot hold a broken cluster.
 pub mod config;
+pub mod wire;
