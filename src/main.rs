@@ -1,1 +1,172 @@
-fn main() {}
+//! `duet`: the command line of the Duet cluster.
+//!
+//! - `duet up` starts every node of a cluster.toml as child processes and waits for ready.
+//! - `duet node --name NAME` runs one node (what a multi-host deployment starts per host).
+//! - `duet tree`, `duet kill`, `duet stop` inspect and poke the live supervision trees.
+//! - `duet credentials` creates the cluster certificate, key and token.
+
+mod admin_cli;
+mod up;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use duet_runtime::config::ClusterConfig;
+use duet_runtime::credentials::Credentials;
+use duet_runtime::node::{self, Exit, Node};
+
+#[derive(Parser)]
+#[command(
+    name = "duet",
+    version,
+    about = "Prefill/decode disaggregated LLM serving runtime"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start every node of the cluster on this machine and wait until all are ready.
+    Up {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+    },
+    /// Run one node of the cluster in the foreground.
+    Node {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// Which node of the file this process is.
+        #[arg(long)]
+        name: String,
+    },
+    /// Print the supervision tree of every node.
+    Tree {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// JSON instead of an indented tree.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Kill an actor (as if it crashed); its supervisor restarts it.
+    Kill {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// `NODE/actor/child/...`, as `duet tree` shows.
+        path: String,
+    },
+    /// Stop an actor gracefully; it is not restarted.
+    Stop {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// `NODE/actor/child/...`, as `duet tree` shows.
+        path: String,
+    },
+    /// Create the cluster certificate, key and token if they do not exist.
+    Credentials {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Up { config } => up::run(&config).await,
+        Command::Node { config, name } => run_node(&config, &name).await,
+        Command::Tree { config, json } => admin_cli::tree(&config, json).await,
+        Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
+        Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
+        Command::Credentials { config } => credentials(&config),
+    }
+}
+
+/// Exit code for a node that could not start (bad config, busy port, missing credentials).
+const EXIT_START_FAILED: u8 = 2;
+/// Exit code for a node whose root supervisor gave up.
+const EXIT_ESCALATED: u8 = 3;
+
+async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
+    duet_runtime::telemetry::init_logs("info");
+    let config = match ClusterConfig::load(config) {
+        Ok(c) => Arc::new(c),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_START_FAILED);
+        }
+    };
+    let node = match Node::start(config, name).await {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("error: node {name}: {e}");
+            return ExitCode::from(EXIT_START_FAILED);
+        }
+    };
+    let me = node.me();
+    println!(
+        "{} {} link={} admin=http://{}",
+        node::READY_MARKER,
+        me.name,
+        me.address,
+        me.admin
+    );
+    match node.run().await {
+        Exit::Drained => ExitCode::SUCCESS,
+        Exit::RootEscalated => {
+            eprintln!("error: node {name}: the root supervisor gave up (see the log above)");
+            ExitCode::from(EXIT_ESCALATED)
+        }
+    }
+}
+
+fn credentials(config: &std::path::Path) -> ExitCode {
+    let config = match ClusterConfig::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(EXIT_START_FAILED);
+        }
+    };
+    match Credentials::ensure(&config.credentials) {
+        Ok((_, true)) => {
+            println!(
+                "created the cluster credentials: {}, {}, {}",
+                config.credentials.cert.display(),
+                config.credentials.key.display(),
+                config.credentials.token_file.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Ok((_, false)) => {
+            println!("the cluster credentials already exist");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -272,7 +272,10 @@ mod tests {
         dec.push(&(1025u32).to_be_bytes());
         assert_eq!(
             dec.next_frame(),
-            Err(WireError::Oversized { len: 1025, max: 1024 })
+            Err(WireError::Oversized {
+                len: 1025,
+                max: 1024
+            })
         );
     }
 
@@ -283,7 +286,10 @@ mod tests {
         let frame = encode_frame(&env);
         assert_eq!(
             decode_payload(&frame[FRAME_HEADER_LEN..]),
-            Err(WireError::UnsupportedVersion { got: 9, supported: WIRE_VERSION })
+            Err(WireError::UnsupportedVersion {
+                got: 9,
+                supported: WIRE_VERSION
+            })
         );
     }
 

@@ -1,0 +1,78 @@
+//! Every metric name Duet exports, in one place, with one prefix (`duet_`).
+//!
+//! Names are constants so a typo is a compile error; the test below rejects duplicates and
+//! names without the prefix. The recorder is Prometheus', rendered by the admin API.
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Restarts performed by supervisors, by actor kind.
+pub const ACTOR_RESTARTS: &str = "duet_actor_restarts_total";
+/// Supervisors that gave up and escalated to their parent, by the failing child's kind.
+pub const SUPERVISOR_ESCALATIONS: &str = "duet_supervisor_escalations_total";
+/// Successful link handshakes, by peer.
+pub const LINK_CONNECTS: &str = "duet_link_connects_total";
+/// Inbound links refused, by reason (tls, token, cluster, node).
+pub const LINK_HANDSHAKE_FAILURES: &str = "duet_link_handshake_failures_total";
+/// Frames that failed to decode or broke the protocol, by peer and reason.
+pub const LINK_FRAME_ERRORS: &str = "duet_link_frame_errors_total";
+/// Envelopes written to a link, by peer.
+pub const LINK_MESSAGES_SENT: &str = "duet_link_messages_sent_total";
+/// Envelopes read from a link, by peer.
+pub const LINK_MESSAGES_RECEIVED: &str = "duet_link_messages_received_total";
+/// One-way envelopes that had no live local target, by peer.
+pub const LINK_UNDELIVERED: &str = "duet_link_undelivered_total";
+/// Answers that arrived after their request's deadline, by peer.
+pub const LINK_LATE_ANSWERS: &str = "duet_link_late_answers_total";
+/// 1 while a peer is up, 0 while down, by peer.
+pub const PEER_UP: &str = "duet_peer_up";
+/// Up/down transitions seen by membership, by peer and new state.
+pub const PEER_TRANSITIONS: &str = "duet_peer_transitions_total";
+/// Admin API calls refused for a missing or wrong token.
+pub const ADMIN_UNAUTHORIZED: &str = "duet_admin_unauthorized_total";
+
+/// All names, for the duplicate check.
+pub const ALL: &[&str] = &[
+    ACTOR_RESTARTS,
+    SUPERVISOR_ESCALATIONS,
+    LINK_CONNECTS,
+    LINK_HANDSHAKE_FAILURES,
+    LINK_FRAME_ERRORS,
+    LINK_MESSAGES_SENT,
+    LINK_MESSAGES_RECEIVED,
+    LINK_UNDELIVERED,
+    LINK_LATE_ANSWERS,
+    PEER_UP,
+    PEER_TRANSITIONS,
+    ADMIN_UNAUTHORIZED,
+];
+
+/// Installs the process-wide Prometheus recorder (once) and returns its handle.
+pub fn install() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            // Fails only if another recorder was installed first, in which case our handle
+            // simply renders nothing; never fatal for a node.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_prefixed() {
+        let mut seen = HashSet::new();
+        for name in ALL {
+            assert!(name.starts_with("duet_"), "{name} lacks the duet_ prefix");
+            assert!(seen.insert(name), "{name} is defined twice");
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! `duet tree`, `duet kill`, `duet stop`: clients of every node's admin API.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use duet_runtime::admin::client::{self, AdminClientError, Method};
+use duet_runtime::config::ClusterConfig;
+use duet_runtime::credentials::Credentials;
+use duet_runtime::tree::{self, NodeTree};
+use serde_json::json;
+
+/// How long a CLI call waits for one node.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn load(config: &Path) -> Result<(ClusterConfig, String), ExitCode> {
+    let config = ClusterConfig::load(config).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })?;
+    let creds = Credentials::load(&config.credentials).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(2)
+    })?;
+    Ok((config, creds.token.expose().to_string()))
+}
+
+/// Prints every node's tree, merged, as text or JSON.
+pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
+    let (config, token) = match load(config) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let calls = config.nodes.iter().map(|n| {
+        let token = token.clone();
+        async move {
+            let answer =
+                client::call(n.admin, &token, Method::GET, "/v1/tree", None, CALL_TIMEOUT).await;
+            match answer.and_then(|v| {
+                serde_json::from_value::<NodeTree>(v).map_err(|e| AdminClientError::BadAnswer {
+                    addr: n.admin,
+                    reason: e.to_string(),
+                })
+            }) {
+                Ok(t) => t,
+                Err(e) => NodeTree {
+                    node: n.name.clone(),
+                    role: n.role.to_string(),
+                    status: "unreachable".into(),
+                    error: Some(e.to_string()),
+                    root: None,
+                },
+            }
+        }
+    });
+    let mut nodes = Vec::new();
+    for call in calls {
+        nodes.push(call.await);
+    }
+    if as_json {
+        match serde_json::to_string_pretty(&nodes) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        print!("{}", tree::render(&nodes));
+    }
+    ExitCode::SUCCESS
+}
+
+/// Kills (`kill = true`) or stops the actor at `path`.
+pub async fn act(config: &Path, path: &str, kill: bool) -> ExitCode {
+    let (config, token) = match load(config) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let node_name = path.split('/').next().unwrap_or_default();
+    let Some(node) = config.node(node_name) else {
+        let names = config.nodes.iter().map(|n| n.name.as_str());
+        eprintln!(
+            "error: no node `{node_name}` in {} (paths start with a node name); nearest: {}",
+            config.path.display(),
+            tree::nearest(node_name, names, 3).join(", ")
+        );
+        return ExitCode::FAILURE;
+    };
+    let endpoint = if kill {
+        "/v1/actors/kill"
+    } else {
+        "/v1/actors/stop"
+    };
+    let body = json!({ "path": path });
+    match client::call(
+        node.admin,
+        &token,
+        Method::POST,
+        endpoint,
+        Some(body),
+        CALL_TIMEOUT,
+    )
+    .await
+    {
+        Ok(_) => {
+            println!("{} {path}", if kill { "killed" } else { "stopped" });
+            ExitCode::SUCCESS
+        }
+        Err(AdminClientError::Api {
+            message, nearest, ..
+        }) if !nearest.is_empty() => {
+            eprintln!("error: {message}; nearest: {}", nearest.join(", "));
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
