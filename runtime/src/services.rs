@@ -57,7 +57,7 @@ pub enum DispatchError {
     TargetDown(String),
 }
 
-type Deliver = Box<dyn Fn(Inbound) -> Result<(), Option<Inbound>> + Send + Sync>;
+type Deliver = Box<dyn Fn(Inbound) -> Result<(), Option<Box<Inbound>>> + Send + Sync>;
 
 /// The node's table of remotely addressable actors.
 #[derive(Clone, Default)]
@@ -74,7 +74,7 @@ impl Services {
         let id = actor.get_id();
         let deliver: Deliver = Box::new(move |inbound| {
             actor.cast(M::from(inbound)).map_err(|e| match e {
-                ractor::MessagingErr::SendErr(m) => m.into_inbound(),
+                ractor::MessagingErr::SendErr(m) => m.into_inbound().map(Box::new),
                 // The message is gone with the mailbox; a dropped Reply answers the request.
                 _ => None,
             })
@@ -96,7 +96,10 @@ impl Services {
         let target = inbound.envelope.target.clone();
         let map = self.inner.read().unwrap_or_else(|p| p.into_inner());
         let (error, back) = match map.get(&target) {
-            None => (DispatchError::UnknownTarget(target), Some(inbound)),
+            None => (
+                DispatchError::UnknownTarget(target),
+                Some(Box::new(inbound)),
+            ),
             Some((_, deliver)) => match deliver(inbound) {
                 Ok(()) => return Ok(()),
                 Err(back) => (DispatchError::TargetDown(target), back),

@@ -1,0 +1,280 @@
+//! Shared harness for the integration tests: real `duet` processes on loopback.
+//!
+//! Nothing here sleeps to wait for state: [`poll`] retries a probe until it holds or its
+//! deadline passes, and every process is stopped when its guard drops.
+
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use duet_runtime::admin::client::{self, Method};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The `duet` binary under test.
+pub fn duet_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_duet")
+}
+
+/// A loopback port free for both UDP (link) and TCP (admin).
+pub fn free_port() -> u16 {
+    loop {
+        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
+        let port = udp.local_addr().expect("addr").port();
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A cluster file in its own temporary folder.
+pub struct ClusterDir {
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+    pub nodes: Vec<(String, String, u16)>,
+}
+
+impl ClusterDir {
+    /// Nodes `(name, role)` on fresh ports, plus `extra` TOML before the node tables.
+    pub fn new(nodes: &[(&str, &str)], extra: &str) -> ClusterDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let nodes: Vec<(String, String, u16)> = nodes
+            .iter()
+            .map(|(n, r)| (n.to_string(), r.to_string(), free_port()))
+            .collect();
+        let config = dir.path().join("cluster.toml");
+        let me = ClusterDir { dir, config, nodes };
+        me.write("cluster.toml", extra);
+        me
+    }
+
+    /// Writes another cluster file over the same nodes (for a node with other credentials).
+    pub fn write(&self, file: &str, extra: &str) -> PathBuf {
+        let mut text = format!("[cluster]\nname = \"test\"\n{extra}\n");
+        for (name, role, port) in &self.nodes {
+            text.push_str(&format!(
+                "[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"127.0.0.1:{port}\"\n\n"
+            ));
+        }
+        let path = self.dir.path().join(file);
+        std::fs::write(&path, text).expect("write cluster file");
+        path
+    }
+
+    /// The admin address of `node`.
+    pub fn admin(&self, node: &str) -> SocketAddr {
+        let port = self
+            .nodes
+            .iter()
+            .find(|(n, _, _)| n == node)
+            .map(|(_, _, p)| *p)
+            .expect("known node");
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// The cluster token (after credentials exist).
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join(".duet/token"))
+            .expect("token")
+            .trim()
+            .to_string()
+    }
+
+    /// Creates the credentials for `config` (`duet credentials`).
+    pub async fn credentials(&self, config: &Path) {
+        let out = duet(&["credentials", "--config", path_str(config)]).await;
+        assert!(
+            out.status.success(),
+            "duet credentials failed: {}",
+            out.stderr
+        );
+    }
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// A finished CLI run.
+pub struct Output {
+    pub status: std::process::ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `duet ARGS` to completion.
+pub async fn duet(args: &[&str]) -> Output {
+    let out = Command::new(duet_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run duet");
+    Output {
+        status: out.status,
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A long-running `duet` process (`up` or `node`), stopped with SIGTERM on drop.
+pub struct Running {
+    pub child: Child,
+    pub first_line: String,
+}
+
+impl Running {
+    /// Starts `duet ARGS` and waits (with a deadline) for a stdout line starting with `marker`.
+    pub async fn start(args: &[&str], marker: &str) -> Running {
+        let mut child = Command::new(duet_bin())
+            .args(args)
+            .env("DUET_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn duet");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let wait = async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.starts_with(marker) {
+                    return Some(line);
+                }
+            }
+            None
+        };
+        let line = tokio::time::timeout(Duration::from_secs(60), wait)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "`duet {}` printed no `{marker}` line in 60 s",
+                    args.join(" ")
+                )
+            })
+            .unwrap_or_else(|| panic!("`duet {}` exited before `{marker}`", args.join(" ")));
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Running {
+            child,
+            first_line: line,
+        }
+    }
+
+    /// `duet up --config CONFIG`, until its `ready` line.
+    pub async fn up(config: &Path) -> Running {
+        Running::start(&["up", "--config", path_str(config)], "ready").await
+    }
+
+    /// `duet node --config CONFIG --name NAME`, until it reports ready.
+    pub async fn node(config: &Path, name: &str) -> Running {
+        Running::start(
+            &["node", "--config", path_str(config), "--name", name],
+            duet_runtime::node::READY_MARKER,
+        )
+        .await
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().expect("running child") as i32
+    }
+
+    /// SIGKILL: the process vanishes without draining.
+    pub async fn kill_hard(mut self) {
+        self.child.kill().await.expect("kill");
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        signal(self.pid(), nix::sys::signal::Signal::SIGTERM);
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("exit within 30 s after SIGTERM")
+            .expect("wait")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            // Let `duet up` drain its nodes; kill_on_drop is the backstop.
+            signal(pid as i32, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn signal(pid: i32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
+}
+
+/// Retries `probe` until it returns `Some`, or panics with `what` after `deadline`.
+pub async fn poll<T, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        if start.elapsed() > deadline {
+            panic!("timed out after {deadline:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// GET a JSON admin endpoint.
+pub async fn admin_get(addr: SocketAddr, token: &str, path: &str) -> Option<Value> {
+    client::call(addr, token, Method::GET, path, None, Duration::from_secs(3))
+        .await
+        .ok()
+}
+
+/// A peer's membership state (`up`, `down`, `unknown`) as `node` sees it.
+pub async fn peer_state(addr: SocketAddr, token: &str, peer: &str) -> Option<String> {
+    let v = admin_get(addr, token, "/v1/membership").await?;
+    v["peers"][peer]["state"].as_str().map(str::to_string)
+}
+
+/// The value of a counter in a node's /metrics (sum over the label sets that match).
+pub async fn metric(addr: SocketAddr, token: &str, name: &str, labels: &str) -> f64 {
+    let text = client::metrics_text(addr, token, Duration::from_secs(3))
+        .await
+        .unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `duet tree --json` for `config`.
+pub async fn tree_json(config: &Path) -> Value {
+    let out = duet(&["tree", "--config", path_str(config), "--json"]).await;
+    assert!(out.status.success(), "duet tree failed: {}", out.stderr);
+    serde_json::from_str(&out.stdout).expect("tree JSON")
+}
+
+/// The actor at `path` in a `duet tree --json` answer.
+pub fn find<'a>(tree: &'a Value, path: &str) -> Option<&'a Value> {
+    fn walk<'a>(a: &'a Value, path: &str) -> Option<&'a Value> {
+        if a["path"] == path {
+            return Some(a);
+        }
+        a["children"].as_array()?.iter().find_map(|c| walk(c, path))
+    }
+    tree.as_array()?.iter().find_map(|n| walk(&n["root"], path))
+}
