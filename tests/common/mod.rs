@@ -20,15 +20,20 @@ pub fn duet_bin() -> &'static str {
     env!("CARGO_BIN_EXE_duet")
 }
 
-/// A loopback port free for both UDP (link) and TCP (admin).
-pub fn free_port() -> u16 {
-    loop {
+/// `n` distinct loopback ports, each free for both UDP (link) and TCP (admin). The sockets
+/// are held until all are chosen, so the OS cannot hand out the same port twice.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let mut held = Vec::new();
+    while held.len() < n {
         let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
         let port = udp.local_addr().expect("addr").port();
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
+        if let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)) {
+            held.push((udp, tcp));
         }
     }
+    held.iter()
+        .map(|(u, _)| u.local_addr().expect("addr").port())
+        .collect()
 }
 
 /// A cluster file in its own temporary folder.
@@ -44,7 +49,8 @@ impl ClusterDir {
         let dir = tempfile::tempdir().expect("tempdir");
         let nodes: Vec<(String, String, u16)> = nodes
             .iter()
-            .map(|(n, r)| (n.to_string(), r.to_string(), free_port()))
+            .zip(free_ports(nodes.len()))
+            .map(|((n, r), port)| (n.to_string(), r.to_string(), port))
             .collect();
         let config = dir.path().join("cluster.toml");
         let me = ClusterDir { dir, config, nodes };

@@ -1,0 +1,226 @@
+//! The link layer between two real nodes (in this process, over loopback QUIC): requests,
+//! ordering, remote failures, and what a misbehaving peer's frames do to its connection.
+
+use std::net::UdpSocket;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_runtime::config::ClusterConfig;
+use duet_runtime::credentials::{CLUSTER_SERVER_NAME, Credentials};
+use duet_runtime::echo;
+use duet_runtime::link::{Hello, LinkError, close_code, kinds, tls};
+use duet_runtime::node::Node;
+use duet_runtime::wire::{self, Envelope, Flow, WIRE_VERSION};
+
+struct Pair {
+    _dir: tempfile::TempDir,
+    config: Arc<ClusterConfig>,
+    a: Node,
+    b: Node,
+}
+
+/// Two distinct ports free for UDP and TCP (sockets held until both are chosen).
+fn free_ports() -> (u16, u16) {
+    let mut held = Vec::new();
+    while held.len() < 2 {
+        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let port = udp.local_addr().expect("addr").port();
+        if let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push((udp, tcp, port));
+        }
+    }
+    (held[0].2, held[1].2)
+}
+
+async fn pair() -> Pair {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (pa, pb) = free_ports();
+    let text = format!(
+        "[[node]]\nname = \"a\"\nrole = \"prefill\"\naddress = \"127.0.0.1:{}\"\n\
+         [[node]]\nname = \"b\"\nrole = \"decode\"\naddress = \"127.0.0.1:{}\"\n",
+        pa, pb
+    );
+    let path = dir.path().join("cluster.toml");
+    std::fs::write(&path, text).expect("write");
+    let config = Arc::new(ClusterConfig::load(&path).expect("config"));
+    Credentials::generate(&config.credentials).expect("credentials");
+    let a = Node::start(config.clone(), "a").await.expect("start a");
+    let b = Node::start(config.clone(), "b").await.expect("start b");
+    let link = a.context().links.get("b").expect("handle").clone();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !link.is_connected() {
+        assert!(Instant::now() < deadline, "a never connected to b");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Pair {
+        _dir: dir,
+        config,
+        a,
+        b,
+    }
+}
+
+fn metrics_line(name: &str, labels: &[&str]) -> f64 {
+    let text = duet_runtime::metrics::install().render();
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_answers_order_and_remote_failures() {
+    let p = pair().await;
+    let link = p.a.context().links.get("b").expect("handle").clone();
+    let t = Duration::from_secs(2);
+
+    let body = link
+        .request(echo::PING, "test", echo::SERVICE, b"hello".to_vec(), t)
+        .await
+        .expect("echo");
+    assert_eq!(body, b"hello");
+
+    // One-way messages arrive in order, before a request sent after them.
+    for _ in 0..500 {
+        link.send(echo::NOTE, "test", echo::SERVICE, Vec::new())
+            .await
+            .expect("note");
+    }
+    let count = link
+        .request(echo::COUNT, "test", echo::SERVICE, Vec::new(), t)
+        .await
+        .expect("count");
+    assert_eq!(wire::decode_body::<u64>(&count), Ok(500));
+
+    match link.request("x.y", "test", "nope", Vec::new(), t).await {
+        Err(LinkError::Remote { message, .. }) => {
+            assert!(message.contains("no service `nope`"), "{message}")
+        }
+        other => panic!("expected a remote failure, got {other:?}"),
+    }
+    match link
+        .request("echo.unknown", "test", echo::SERVICE, Vec::new(), t)
+        .await
+    {
+        Err(LinkError::Remote { message, .. }) => assert!(message.contains("does not handle")),
+        other => panic!("expected a remote failure, got {other:?}"),
+    }
+    // Too big to send: refused locally, with a typed error, before touching the wire.
+    let huge = vec![0u8; p.config.link.max_frame_bytes as usize];
+    match link.send(echo::NOTE, "test", echo::SERVICE, huge).await {
+        Err(LinkError::Wire { .. }) => {}
+        other => panic!("expected a wire error, got {other:?}"),
+    }
+    p.a.stop().await;
+    p.b.stop().await;
+}
+
+/// A client holding the cluster credentials that speaks raw frames to node `b` as node `a`.
+async fn raw_client(p: &Pair) -> (quinn::Connection, quinn::SendStream, quinn::RecvStream) {
+    let creds = Credentials::load(&p.config.credentials).expect("creds");
+    let (_, client) =
+        tls::endpoint_configs(&creds, Duration::from_secs(1), Duration::from_secs(5)).expect("tls");
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(client);
+    let b = p.config.node("b").expect("b").address;
+    let conn = endpoint
+        .connect(b, CLUSTER_SERVER_NAME)
+        .expect("connect")
+        .await
+        .expect("handshake");
+    let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+    let hello = Hello {
+        cluster: p.config.name.clone(),
+        node: "a".into(),
+        token: creds.token.expose().to_string(),
+    };
+    let env = Envelope::one_way(kinds::HELLO, "a/link", "link", wire::encode_body(&hello));
+    send.write_all(&wire::encode_frame(&env))
+        .await
+        .expect("hello");
+    let mut header = [0u8; 4];
+    recv.read_exact(&mut header).await.expect("welcome header");
+    let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+    recv.read_exact(&mut payload).await.expect("welcome");
+    let welcome = wire::decode_payload(&payload).expect("decode");
+    assert_eq!(welcome.kind, kinds::WELCOME);
+    (conn, send, recv)
+}
+
+async fn closed_with_protocol_error(conn: &quinn::Connection) -> String {
+    let reason = tokio::time::timeout(Duration::from_secs(5), conn.closed())
+        .await
+        .expect("b closes the connection");
+    match reason {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, close_code::PROTOCOL.into());
+            String::from_utf8_lossy(&c.reason).into_owned()
+        }
+        other => panic!("closed for another reason: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_frames_are_counted_and_close_the_link() {
+    let p = pair().await;
+
+    // Oversized: refused from the length prefix alone.
+    let before = metrics_line("duet_link_frame_errors_total", &["reason=\"oversized\""]);
+    let (conn, mut send, _recv) = raw_client(&p).await;
+    send.write_all(&u32::MAX.to_be_bytes())
+        .await
+        .expect("write");
+    let reason = closed_with_protocol_error(&conn).await;
+    assert!(reason.contains("exceeds the limit"), "{reason}");
+    assert_eq!(
+        metrics_line("duet_link_frame_errors_total", &["reason=\"oversized\""]),
+        before + 1.0
+    );
+
+    // Garbage payload of a plausible length.
+    let before = metrics_line("duet_link_frame_errors_total", &["reason=\"malformed\""]);
+    let (conn, mut send, _recv) = raw_client(&p).await;
+    let mut frame = 64u32.to_be_bytes().to_vec();
+    frame.extend((0..64u8).map(|i| i.wrapping_mul(37)));
+    send.write_all(&frame).await.expect("write");
+    let reason = closed_with_protocol_error(&conn).await;
+    assert!(reason.contains("malformed"), "{reason}");
+    assert!(
+        metrics_line("duet_link_frame_errors_total", &["reason=\"malformed\""]) >= before + 1.0
+    );
+
+    // A well-formed envelope claiming to come from another node.
+    let (conn, mut send, _recv) = raw_client(&p).await;
+    let env = Envelope {
+        version: WIRE_VERSION,
+        kind: echo::NOTE.into(),
+        flow: Flow::OneWay,
+        sender: "b/someone".into(),
+        target: echo::SERVICE.into(),
+        request_id: 0,
+        traceparent: None,
+        body: vec![],
+    };
+    send.write_all(&wire::encode_frame(&env))
+        .await
+        .expect("write");
+    let reason = closed_with_protocol_error(&conn).await;
+    assert!(reason.contains("sender `b/someone`"), "{reason}");
+
+    // The real link from a to b is untouched by all this.
+    let link = p.a.context().links.get("b").expect("handle").clone();
+    let body = link
+        .request(
+            echo::PING,
+            "test",
+            echo::SERVICE,
+            b"still".to_vec(),
+            Duration::from_secs(2),
+        )
+        .await
+        .expect("echo after the bad frames");
+    assert_eq!(body, b"still");
+    p.a.stop().await;
+    p.b.stop().await;
+}
