@@ -1,64 +1,17 @@
 //! The link layer between two real nodes (in this process, over loopback QUIC): requests,
 //! ordering, remote failures, and what a misbehaving peer's frames do to its connection.
 
-use std::net::UdpSocket;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
+
+use common::{Pair, pair};
 
 use duet_runtime::config::ClusterConfig;
 use duet_runtime::credentials::{CLUSTER_SERVER_NAME, Credentials};
 use duet_runtime::echo;
 use duet_runtime::link::{Hello, LinkError, close_code, kinds, tls};
-use duet_runtime::node::Node;
 use duet_runtime::wire::{self, Envelope, Flow, WIRE_VERSION};
-
-struct Pair {
-    _dir: tempfile::TempDir,
-    config: Arc<ClusterConfig>,
-    a: Node,
-    b: Node,
-}
-
-/// Two distinct ports free for UDP and TCP (sockets held until both are chosen).
-fn free_ports() -> (u16, u16) {
-    let mut held = Vec::new();
-    while held.len() < 2 {
-        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let port = udp.local_addr().expect("addr").port();
-        if let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-            held.push((udp, tcp, port));
-        }
-    }
-    (held[0].2, held[1].2)
-}
-
-async fn pair() -> Pair {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (pa, pb) = free_ports();
-    let text = format!(
-        "[[node]]\nname = \"a\"\nrole = \"prefill\"\naddress = \"127.0.0.1:{}\"\n\
-         [[node]]\nname = \"b\"\nrole = \"decode\"\naddress = \"127.0.0.1:{}\"\n",
-        pa, pb
-    );
-    let path = dir.path().join("cluster.toml");
-    std::fs::write(&path, text).expect("write");
-    let config = Arc::new(ClusterConfig::load(&path).expect("config"));
-    Credentials::generate(&config.credentials).expect("credentials");
-    let a = Node::start(config.clone(), "a").await.expect("start a");
-    let b = Node::start(config.clone(), "b").await.expect("start b");
-    let link = a.context().links.get("b").expect("handle").clone();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !link.is_connected() {
-        assert!(Instant::now() < deadline, "a never connected to b");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Pair {
-        _dir: dir,
-        config,
-        a,
-        b,
-    }
-}
 
 fn metrics_line(name: &str, labels: &[&str]) -> f64 {
     let text = duet_runtime::metrics::install().render();
