@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use common::{Pair, pair};
 
-use duet_runtime::config::ClusterConfig;
 use duet_runtime::credentials::{CLUSTER_SERVER_NAME, Credentials};
 use duet_runtime::echo;
 use duet_runtime::link::{Hello, LinkError, close_code, kinds, tls};
