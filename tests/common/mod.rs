@@ -20,20 +20,26 @@ pub fn duet_bin() -> &'static str {
     env!("CARGO_BIN_EXE_duet")
 }
 
-/// `n` distinct loopback ports, each free for both UDP (link) and TCP (admin). The sockets
-/// are held until all are chosen, so the OS cannot hand out the same port twice.
+/// `n` distinct loopback ports, each free for both UDP (link) and TCP (admin). They are drawn
+/// below the kernel's ephemeral range (32768 and up), so a client socket of another test cannot
+/// take one between this check and the node's bind, and the sockets are held until all are
+/// chosen so no port is handed out twice.
 pub fn free_ports(n: usize) -> Vec<u16> {
+    use std::hash::{BuildHasher, Hasher};
     let mut held = Vec::new();
+    let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
     while held.len() < n {
-        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
-        let port = udp.local_addr().expect("addr").port();
-        if let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)) {
-            held.push((udp, tcp));
-        }
+        seed.write_usize(held.len());
+        let port = 20_000 + (seed.finish() % 12_000) as u16;
+        let Ok(udp) = UdpSocket::bind(("127.0.0.1", port)) else {
+            continue;
+        };
+        let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)) else {
+            continue;
+        };
+        held.push((udp, tcp, port));
     }
-    held.iter()
-        .map(|(u, _)| u.local_addr().expect("addr").port())
-        .collect()
+    held.iter().map(|(_, _, p)| *p).collect()
 }
 
 /// A cluster file in its own temporary folder.

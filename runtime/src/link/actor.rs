@@ -51,6 +51,9 @@ pub struct LinkState {
     address: std::net::SocketAddr,
     backoff: Duration,
     generation: u64,
+    /// The session this actor owns. The handle's slot may briefly hold a dead predecessor's
+    /// session, so the actor never judges its own state by the slot.
+    session: Option<Arc<Session>>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -65,7 +68,8 @@ impl LinkState {
         if let Some(reader) = self.reader.take() {
             reader.abort();
         }
-        if let Some(session) = self.handle.install(None) {
+        if let Some(session) = self.session.take() {
+            self.handle.uninstall(&session);
             session
                 .connection
                 .close(close_code::NORMAL.into(), reason.as_bytes());
@@ -99,8 +103,17 @@ impl Actor for LinkActor {
             .node(&args.peer)
             .map(|n| n.address)
             .ok_or_else(|| LinkError::UnknownPeer(args.peer.clone()))?;
+        // A killed predecessor's session may still sit in the slot until its state is dropped;
+        // it has no owner any more, so close it rather than wait.
+        if let Some(stale) = handle.install(None) {
+            stale
+                .connection
+                .close(close_code::NORMAL.into(), b"link actor restarted");
+            stale.fail_pending();
+        }
         myself.cast(LinkMsg::Connect)?;
         Ok(LinkState {
+            session: None,
             backoff: args.ctx.config.link.reconnect_min,
             ctx: args.ctx,
             handle,
@@ -118,7 +131,7 @@ impl Actor for LinkActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             LinkMsg::Connect => {
-                if state.handle.is_connected() {
+                if state.session.is_some() {
                     return Ok(());
                 }
                 match dial(state).await {
@@ -135,6 +148,7 @@ impl Actor for LinkActor {
                             state.ctx.config.link.max_frame_bytes,
                             myself.clone(),
                         )));
+                        state.session = Some(session.clone());
                         state.handle.install(Some(session));
                         state.backoff = state.ctx.config.link.reconnect_min;
                         metrics::counter!(m::LINK_CONNECTS, "peer" => state.handle.peer().to_string())

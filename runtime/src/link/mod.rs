@@ -238,6 +238,14 @@ impl LinkHandle {
         )
     }
 
+    /// Clears the slot if it still holds `session`.
+    fn uninstall(&self, session: &Arc<Session>) {
+        let mut slot = self.slot.write().unwrap_or_else(|p| p.into_inner());
+        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+            *slot = None;
+        }
+    }
+
     fn envelope(
         &self,
         kind: &str,

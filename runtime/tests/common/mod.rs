@@ -17,15 +17,22 @@ pub struct Pair {
     pub b: Node,
 }
 
-/// Two distinct ports free for UDP and TCP (sockets held until both are chosen).
+/// Two distinct ports free for UDP and TCP, drawn below the ephemeral range so no client
+/// socket takes one before the node binds it (sockets held until both are chosen).
 pub fn free_ports() -> (u16, u16) {
+    use std::hash::{BuildHasher, Hasher};
     let mut held = Vec::new();
+    let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
     while held.len() < 2 {
-        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let port = udp.local_addr().expect("addr").port();
-        if let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-            held.push((udp, tcp, port));
-        }
+        seed.write_usize(held.len());
+        let port = 20_000 + (seed.finish() % 12_000) as u16;
+        let Ok(udp) = UdpSocket::bind(("127.0.0.1", port)) else {
+            continue;
+        };
+        let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) else {
+            continue;
+        };
+        held.push((udp, tcp, port));
     }
     (held[0].2, held[1].2)
 }

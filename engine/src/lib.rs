@@ -1,0 +1,2 @@
+//! Duet's model engine. No network in here.
+pub mod gguf;

@@ -1,0 +1,93 @@
+//! Compute devices.
+
+use std::fmt;
+
+/// Where a worker computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    /// The host CPU (all cores given to the worker).
+    Cpu,
+    /// A CUDA device by ordinal.
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Why a device cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// No CUDA driver library on this machine.
+    #[error("CUDA is not available: {0}")]
+    NoCuda(String),
+    /// CUDA is present but this build has no CUDA kernels for the engine.
+    #[error("{0} is present, but this build of Duet runs the engine on the CPU only")]
+    Unsupported(Device),
+}
+
+/// Names the CUDA driver library goes by on Linux.
+const CUDA_DRIVER_LIBS: &[&str] = &["libcuda.so.1", "libcuda.so"];
+
+/// Whether the CUDA driver library can be loaded. cudarc panics when it is absent, so this
+/// probe must come first; it never panics.
+pub fn cuda_driver_present() -> Result<(), DeviceError> {
+    let mut last = String::from("not found");
+    for name in CUDA_DRIVER_LIBS {
+        match load(name) {
+            Ok(()) => return Ok(()),
+            Err(e) => last = e,
+        }
+    }
+    Err(DeviceError::NoCuda(format!(
+        "cannot load {}: {last}",
+        CUDA_DRIVER_LIBS.join(" or ")
+    )))
+}
+
+#[allow(unsafe_code)]
+fn load(name: &str) -> Result<(), String> {
+    // SAFETY: loading a shared library runs its initialisers. The CUDA driver library's
+    // initialisers do not touch our process state; we only check that it loads.
+    unsafe { libloading::Library::new(name) }
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+impl Device {
+    /// The device to use when asked for `wanted`: the CPU always works; a CUDA device is
+    /// refused with the reason (no driver, or no CUDA kernels in this build).
+    pub fn open(wanted: Device) -> Result<Device, DeviceError> {
+        match wanted {
+            Device::Cpu => Ok(Device::Cpu),
+            Device::Cuda(_) => {
+                cuda_driver_present()?;
+                Err(DeviceError::Unsupported(wanted))
+            }
+        }
+    }
+
+    /// The best device on this machine that this build can use.
+    pub fn detect() -> Device {
+        Device::Cpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_always_opens_and_cuda_never_panics() {
+        assert_eq!(Device::open(Device::Cpu), Ok(Device::Cpu));
+        // Either no driver, or a driver but no CUDA kernels: an error either way, no panic.
+        assert!(Device::open(Device::Cuda(0)).is_err());
+        assert_eq!(Device::detect().to_string(), "cpu");
+    }
+}
