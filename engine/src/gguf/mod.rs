@@ -201,6 +201,7 @@ pub enum GgufError {
 /// A parsed GGUF file: its bytes, metadata and tensor table.
 pub struct Gguf {
     data: Vec<u8>,
+    header_len: usize,
     /// GGUF version.
     pub version: u32,
     /// Metadata by key.
@@ -365,6 +366,7 @@ impl Gguf {
             Some(Value::U64(a)) if *a > 0 => *a,
             _ => DEFAULT_ALIGNMENT,
         };
+        let header_len = c.pos;
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
 
         let mut tensors = BTreeMap::new();
@@ -417,6 +419,7 @@ impl Gguf {
         }
         Ok(Gguf {
             data,
+            header_len,
             version,
             metadata,
             tensors,
@@ -438,6 +441,16 @@ impl Gguf {
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         &self.data
+    }
+
+    /// Takes the file's bytes (tensor ranges index into them).
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.data
+    }
+
+    /// The header: magic, metadata and tensor table (what the model fingerprint hashes).
+    pub fn header(&self) -> &[u8] {
+        &self.data[..self.header_len]
     }
 
     /// An unsigned integer metadata value.

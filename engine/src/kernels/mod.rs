@@ -1,0 +1,128 @@
+//! CPU kernels: weight-quantized matrix products with f32 activations, and the small ops.
+//!
+//! # Exact and batch-invariant
+//!
+//! Activations stay f32. Quantized weights are dequantized inside the kernel, block by block,
+//! to the exact f32 value `d * q + m` (Q4_1), `d * (q - 8)` (Q4_0) or `d * q` (Q8_0), and
+//! multiplied with the f32 activations. Every output element `y[t][n] = Σ_k W[n][k] x[t][k]`
+//! is computed with one fixed sequence of operations: [`LANES`] partial sums, lane `l` taking
+//! `k ≡ l (mod LANES)` in increasing `k`, each step one fused multiply-add, then the lanes
+//! summed in a fixed tree. Which other rows or tokens are computed alongside, how many tokens
+//! there are, and which thread computes a row never change that sequence, so a token's
+//! result is bit-identical whether it is alone, in a batch of 32, in a prefill chunk of any
+//! size, or at any position in the batch.
+//!
+//! The instruction set is chosen once per process (AVX-512, AVX2+FMA, or portable code), so
+//! the guarantee holds per machine; the portable path uses the same order with `mul_add`.
+
+#![allow(unsafe_code)] // target_feature dispatch; each call site states why it is sound
+
+pub mod attention;
+mod matmul;
+pub mod ops;
+
+pub use matmul::{QRef, matmul, matmul_into_rows};
+
+/// Partial sums per dot product.
+pub const LANES: usize = 16;
+
+/// The instruction set this process computes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F.
+    Avx512,
+    /// AVX2 with FMA.
+    Avx2,
+    /// Whatever the baseline target offers.
+    Portable,
+}
+
+/// Detected once; never changes for the life of the process.
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::env::var_os("DUET_ISA").is_some_and(|v| v == "portable") {
+                return Isa::Portable;
+            }
+            let f16c = is_x86_feature_detected!("f16c");
+            if is_x86_feature_detected!("avx512f") && f16c {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && f16c {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    })
+}
+
+/// Sums the lanes in a fixed tree (pairs, then pairs of pairs...).
+#[inline(always)]
+pub fn hsum(acc: &[f32; LANES]) -> f32 {
+    let mut v = *acc;
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            v[i] += v[i + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// `acc[l] += a[l] * b[l]` for every lane, fused.
+#[inline(always)]
+pub fn fma_lanes(acc: &mut [f32; LANES], a: &[f32], b: &[f32]) {
+    for l in 0..LANES {
+        acc[l] = a[l].mul_add(b[l], acc[l]);
+    }
+}
+
+/// A fixed-order dot product of two equal-length slices (length a multiple of [`LANES`];
+/// a tail is summed sequentially after the lanes).
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let n = a.len() / LANES * LANES;
+    for (ca, cb) in a[..n].chunks_exact(LANES).zip(b[..n].chunks_exact(LANES)) {
+        fma_lanes(&mut acc, ca, cb);
+    }
+    let mut s = hsum(&acc);
+    for i in n..a.len() {
+        s = a[i].mul_add(b[i], s);
+    }
+    s
+}
+
+/// Runs `f` compiled for the detected instruction set. `f` must be `#[inline(always)]` code
+/// so it is compiled inside each `target_feature` wrapper.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! dispatch {
+    ($body:expr) => {{
+        match $crate::kernels::isa() {
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::Isa::Avx512 => {
+                #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+                unsafe fn run<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                // SAFETY: `isa()` returned Avx512 only after detecting avx512f and f16c (and
+                // every CPU with avx512f has avx2 and fma).
+                unsafe { run(|| $body) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::Isa::Avx2 => {
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn run<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                // SAFETY: `isa()` returned Avx2 only after detecting avx2, fma and f16c.
+                unsafe { run(|| $body) }
+            }
+            _ => $body,
+        }
+    }};
+}
