@@ -1,0 +1,336 @@
+//! The step API: one forward pass over prefill chunks and decode tokens of many sequences.
+//!
+//! A step takes [`SeqChunk`]s: a sequence's new tokens, the position of the first one, and
+//! the sequence's page table. A decode token is a chunk of one token; a prefill chunk is a run
+//! of prompt tokens. All tokens of the step go through each matrix product together (the
+//! weights are read once per step), each token's K and V land in its own page slot, and each
+//! token attends to its own sequence through the page table. The step returns the logits of
+//! the last token of every chunk that asks for them.
+
+use duet_gpu::{KvDtype, KvLayout, KvPool, PageId, PoolError};
+use rayon::prelude::*;
+
+use crate::kernels::attention::{AttnScratch, AttnShape, attend};
+use crate::kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
+use crate::kernels::{QRef, matmul};
+use crate::model::Model;
+
+/// How an engine is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// KV element type.
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Pages in the pool (allocated once, at start).
+    pub kv_pages: usize,
+    /// Compute threads.
+    pub threads: usize,
+    /// Longest sequence served (at most the model's context length).
+    pub max_context: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            kv_dtype: KvDtype::F16,
+            page_size: 16,
+            kv_pages: 1024,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            max_context: 8192,
+        }
+    }
+}
+
+/// New tokens of one sequence for one step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// The tokens to compute.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]` (tokens before it are already in the pages).
+    pub start_pos: usize,
+    /// The sequence's page table; must cover `start_pos + tokens.len()` positions.
+    pub pages: &'a [PageId],
+    /// Whether to return the logits of the last token.
+    pub want_logits: bool,
+}
+
+/// A step that cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The KV pool refused.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A token id outside the vocabulary.
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// The id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// The page table does not cover the chunk.
+    #[error("the page table has {have} pages but positions up to {last} need {need}")]
+    PagesTooFew {
+        /// Pages given.
+        have: usize,
+        /// Pages needed.
+        need: usize,
+        /// Last position.
+        last: usize,
+    },
+    /// A page id outside the pool.
+    #[error("page {0} is outside the pool")]
+    PageOutOfRange(PageId),
+    /// A position beyond the context.
+    #[error("position {pos} is beyond the context of {max} tokens")]
+    ContextExceeded {
+        /// The position.
+        pos: usize,
+        /// The maximum.
+        max: usize,
+    },
+    /// The thread pool could not start.
+    #[error("cannot start {0} compute threads")]
+    Threads(usize),
+}
+
+/// Counters, for tests and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Tokens computed (prefill and decode).
+    pub tokens: u64,
+}
+
+/// A model, its KV pool and its threads.
+pub struct Engine {
+    /// The model.
+    pub model: Model,
+    /// The paged KV pool.
+    pub pool: KvPool,
+    rope: Rope,
+    options: EngineOptions,
+    threads: rayon::ThreadPool,
+    /// Counters.
+    pub stats: EngineStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model", &self.model)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An engine for `model` with a freshly allocated pool.
+    pub fn new(model: Model, options: EngineOptions) -> Result<Engine, EngineError> {
+        let c = model.config;
+        let layout = KvLayout {
+            n_layers: c.n_layers,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            page_size: options.page_size,
+            dtype: options.kv_dtype,
+        };
+        let pool = KvPool::new(layout, options.kv_pages)?;
+        let max_context = options.max_context.min(c.context_length);
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.threads.max(1))
+            .thread_name(|i| format!("duet-compute-{i}"))
+            .build()
+            .map_err(|_| EngineError::Threads(options.threads))?;
+        Ok(Engine {
+            rope: Rope::new(c.head_dim, c.rope_base, max_context),
+            options: EngineOptions {
+                max_context,
+                ..options
+            },
+            model,
+            pool,
+            threads,
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Runs one step; returns, per chunk, the last token's logits if asked for.
+    pub fn step(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
+        self.validate(chunks)?;
+        let threads = self.options.threads.max(1);
+        let pool = &mut self.pool;
+        let (model, rope) = (&self.model, &self.rope);
+        let out = self
+            .threads
+            .install(|| forward(model, pool, rope, chunks, threads));
+        self.stats.steps += 1;
+        self.stats.tokens += chunks.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
+        Ok(out)
+    }
+
+    fn validate(&self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
+        let vocab = self.model.config.vocab;
+        let ps = self.options.page_size;
+        let capacity = self.pool.capacity();
+        for c in chunks {
+            if let Some(&token) = c.tokens.iter().find(|t| **t as usize >= vocab) {
+                return Err(EngineError::TokenOutOfRange { token, vocab });
+            }
+            if c.tokens.is_empty() {
+                continue;
+            }
+            let last = c.start_pos + c.tokens.len() - 1;
+            if last >= self.options.max_context {
+                return Err(EngineError::ContextExceeded {
+                    pos: last,
+                    max: self.options.max_context,
+                });
+            }
+            let need = last / ps + 1;
+            if c.pages.len() < need {
+                return Err(EngineError::PagesTooFew {
+                    have: c.pages.len(),
+                    need,
+                    last,
+                });
+            }
+            if let Some(&p) = c.pages[..need].iter().find(|p| **p as usize >= capacity) {
+                return Err(EngineError::PageOutOfRange(p));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where each token of the step belongs.
+struct TokenRef {
+    chunk: usize,
+    pos: usize,
+}
+
+fn forward(
+    model: &Model,
+    pool: &mut KvPool,
+    rope: &Rope,
+    chunks: &[SeqChunk<'_>],
+    threads: usize,
+) -> Vec<Option<Vec<f32>>> {
+    let c = model.config;
+    let kv_dim = c.n_kv_heads * c.head_dim;
+    let ps = pool.layout().page_size;
+    let toks: Vec<TokenRef> = chunks
+        .iter()
+        .enumerate()
+        .flat_map(|(i, ch)| {
+            (0..ch.tokens.len()).map(move |j| TokenRef {
+                chunk: i,
+                pos: ch.start_pos + j,
+            })
+        })
+        .collect();
+    let ids: Vec<u32> = chunks
+        .iter()
+        .flat_map(|ch| ch.tokens.iter().copied())
+        .collect();
+    let t = ids.len();
+    let mut results = vec![None; chunks.len()];
+    if t == 0 {
+        return results;
+    }
+
+    let embed = model.w(&model.embed);
+    let mut x = vec![0f32; t * c.dim];
+    for (row, id) in x.chunks_exact_mut(c.dim).zip(&ids) {
+        embed.dequantize_row(*id as usize, row);
+    }
+    let mut h = vec![0f32; t * c.dim];
+    let mut q = vec![0f32; t * c.dim];
+    let mut k = vec![0f32; t * kv_dim];
+    let mut v = vec![0f32; t * kv_dim];
+    let mut attn = vec![0f32; t * c.dim];
+    let mut o = vec![0f32; t * c.dim];
+    let mut gate = vec![0f32; t * c.ffn_dim];
+    let mut up = vec![0f32; t * c.ffn_dim];
+    let shape = AttnShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let mm = |w: QRef<'_>, input: &[f32], out: &mut [f32]| matmul(w, input, t, out, threads);
+
+    for (li, layer) in model.layers.iter().enumerate() {
+        rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+        mm(model.w(&layer.wq), &h, &mut q);
+        mm(model.w(&layer.wk), &h, &mut k);
+        mm(model.w(&layer.wv), &h, &mut v);
+        for (i, tr) in toks.iter().enumerate() {
+            rope.apply(&mut q[i * c.dim..(i + 1) * c.dim], c.head_dim, tr.pos);
+            rope.apply(&mut k[i * kv_dim..(i + 1) * kv_dim], c.head_dim, tr.pos);
+            let page = chunks[tr.chunk].pages[tr.pos / ps];
+            pool.write_token(
+                page,
+                li,
+                tr.pos % ps,
+                &k[i * kv_dim..(i + 1) * kv_dim],
+                &v[i * kv_dim..(i + 1) * kv_dim],
+            );
+        }
+        let pool_ref: &KvPool = pool;
+        attn.par_chunks_mut(c.dim)
+            .zip(q.par_chunks(c.dim))
+            .zip(toks.par_iter())
+            .for_each_init(AttnScratch::default, |scratch, ((out, qt), tr)| {
+                attend(
+                    pool_ref,
+                    li,
+                    shape,
+                    qt,
+                    tr.pos,
+                    chunks[tr.chunk].pages,
+                    out,
+                    scratch,
+                );
+            });
+        mm(model.w(&layer.wo), &attn, &mut o);
+        add_assign(&mut x, &o);
+
+        rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+        mm(model.w(&layer.w_gate), &h, &mut gate);
+        mm(model.w(&layer.w_up), &h, &mut up);
+        silu_mul(&mut gate, &up);
+        mm(model.w(&layer.w_down), &gate, &mut o);
+        add_assign(&mut x, &o);
+    }
+
+    // Logits only where asked: the last token of each such chunk.
+    let mut last_rows = Vec::new();
+    let mut owners = Vec::new();
+    let mut offset = 0;
+    for (i, ch) in chunks.iter().enumerate() {
+        offset += ch.tokens.len();
+        if ch.want_logits && !ch.tokens.is_empty() {
+            last_rows.extend_from_slice(&x[(offset - 1) * c.dim..offset * c.dim]);
+            owners.push(i);
+        }
+    }
+    if owners.is_empty() {
+        return results;
+    }
+    let mut normed = vec![0f32; last_rows.len()];
+    rms_norm(&last_rows, &model.output_norm, c.rms_eps, &mut normed);
+    let head = model.lm_head();
+    let mut logits = vec![0f32; owners.len() * head.rows];
+    matmul(head, &normed, owners.len(), &mut logits, threads);
+    for (j, owner) in owners.into_iter().enumerate() {
+        results[owner] = Some(logits[j * head.rows..(j + 1) * head.rows].to_vec());
+    }
+    results
+}
