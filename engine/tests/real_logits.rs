@@ -87,8 +87,8 @@ fn greedy_decode_reproduces_the_reference() {
             .alloc(e.pool.layout().pages_for(prompt.len() + expected.len()))
             .expect("pages");
         let mut logits = prefill(&mut e, &prompt, &pages);
-        let mut pos = prompt.len();
         for (i, want) in expected.iter().enumerate() {
+            let pos = prompt.len() + i;
             let l = steps[i]["top2_logits"].as_array().expect("top2");
             let margin = l[0].as_f64().expect("f64") - l[1].as_f64().expect("f64");
             let got = argmax(&logits);
@@ -106,7 +106,6 @@ fn greedy_decode_reproduces_the_reference() {
                 }])
                 .expect("decode step");
             logits = out.into_iter().next().flatten().expect("logits");
-            pos += 1;
         }
         e.pool.alloc.release_all(&pages).expect("release");
     }
