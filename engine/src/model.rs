@@ -7,8 +7,8 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use crate::chat::{ChatError, ChatTemplate};
-use crate::gguf::{Gguf, GgufError, TensorInfo, TensorType};
-use crate::kernels::QRef;
+use crate::gguf::{Gguf, GgufError, TensorInfo};
+use crate::kernels::{Format, QRef, repack};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Hyperparameters from `llama.*` metadata.
@@ -70,10 +70,10 @@ pub enum ModelError {
     },
 }
 
-/// A weight matrix: where its blocks are in the model's buffer.
+/// A weight matrix: where its blocks are in the model's weight arena.
 #[derive(Debug, Clone)]
 pub struct Matrix {
-    ty: TensorType,
+    ty: Format,
     rows: usize,
     cols: usize,
     range: Range<usize>,
@@ -104,7 +104,8 @@ pub struct Layer {
 
 /// A loaded model.
 pub struct Model {
-    data: Vec<u8>,
+    /// Every weight matrix, repacked for the kernels (still 4- and 8-bit).
+    arena: Vec<u8>,
     /// Hyperparameters.
     pub config: ModelConfig,
     /// Token embeddings (also the output projection when tied).
@@ -190,21 +191,26 @@ impl Model {
         };
         let c = config;
         let kv = c.n_kv_heads * c.head_dim;
+        let arena = std::cell::RefCell::new(Vec::with_capacity(g.bytes().len() * 6 / 5));
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
             let t = g.tensor(name)?;
             check_shape(t, &[cols, rows])?;
+            let (ty, bytes) = repack(t.ty, g.tensor_bytes(t));
+            let mut arena = arena.borrow_mut();
+            let start = arena.len();
+            arena.extend_from_slice(&bytes);
             Ok(Matrix {
-                ty: t.ty,
+                ty,
                 rows,
                 cols,
-                range: t.range.clone(),
+                range: start..arena.len(),
             })
         };
         let vector = |name: &str, n: usize| -> Result<Vec<f32>, ModelError> {
             let t = g.tensor(name)?;
             check_shape(t, &[n])?;
             let m = Matrix {
-                ty: t.ty,
+                ty: Format::Gguf(t.ty),
                 rows: 1,
                 cols: n,
                 range: t.range.clone(),
@@ -244,10 +250,13 @@ impl Model {
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
-        let data = g.into_bytes();
+        let file_bytes = g.bytes().len();
+        drop(g);
+        let mut arena = arena.into_inner();
+        arena.shrink_to_fit();
         Ok(Model {
-            file_bytes: data.len(),
-            data,
+            file_bytes,
+            arena,
             config,
             embed,
             output,
@@ -261,7 +270,12 @@ impl Model {
 
     /// A weight matrix ready for the kernels.
     pub fn w(&self, m: &Matrix) -> QRef<'_> {
-        m.view(&self.data)
+        m.view(&self.arena)
+    }
+
+    /// Bytes of weights held in memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.arena.len()
     }
 
     /// The output projection (the embeddings when tied).

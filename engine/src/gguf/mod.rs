@@ -389,7 +389,7 @@ impl Gguf {
                 .iter()
                 .try_fold(1usize, |a, d| a.checked_mul(*d))
                 .ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
-            if dims[0] % ty.block_elems() != 0 {
+            if !dims[0].is_multiple_of(ty.block_elems()) {
                 return Err(bad(format!(
                     "row length {} is not a multiple of the block size {}",
                     dims[0],

@@ -12,6 +12,70 @@ use rayon::prelude::*;
 use super::{LANES, fma_lanes, hsum};
 use crate::gguf::TensorType;
 
+/// How a matrix's blocks are stored in memory.
+///
+/// The GGUF types as they are in the file, plus two repacked forms that the model builds at
+/// load for the hot types: the f16 scale and minimum widened to f32 (exact), so the kernel
+/// broadcasts them straight from memory instead of converting every block. Weights stay
+/// 4- and 8-bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// As in the file.
+    Gguf(TensorType),
+    /// Q4_1 with f32 `d` and `m`: 24 bytes per 32 weights.
+    Q4_1Wide,
+    /// Q8_0 with f32 `d`: 36 bytes per 32 weights.
+    Q8_0Wide,
+}
+
+impl Format {
+    /// Elements per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            Format::Gguf(t) => t.block_elems(),
+            Format::Q4_1Wide | Format::Q8_0Wide => 32,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Format::Gguf(t) => t.block_bytes(),
+            Format::Q4_1Wide => 24,
+            Format::Q8_0Wide => 36,
+        }
+    }
+}
+
+/// Repacks GGUF blocks into the kernel's preferred format (or returns them as they are).
+pub fn repack(ty: TensorType, bytes: &[u8]) -> (Format, Vec<u8>) {
+    let h = |b: &[u8]| {
+        f16::from_bits(u16::from_le_bytes([b[0], b[1]]))
+            .to_f32()
+            .to_le_bytes()
+    };
+    match ty {
+        TensorType::Q4_1 => {
+            let mut out = Vec::with_capacity(bytes.len() / 20 * 24);
+            for blk in bytes.chunks_exact(20) {
+                out.extend(h(&blk[0..2]));
+                out.extend(h(&blk[2..4]));
+                out.extend(&blk[4..20]);
+            }
+            (Format::Q4_1Wide, out)
+        }
+        TensorType::Q8_0 => {
+            let mut out = Vec::with_capacity(bytes.len() / 34 * 36);
+            for blk in bytes.chunks_exact(34) {
+                out.extend(h(&blk[0..2]));
+                out.extend(&blk[2..34]);
+            }
+            (Format::Q8_0Wide, out)
+        }
+        other => (Format::Gguf(other), bytes.to_vec()),
+    }
+}
+
 /// Rows of W per tile.
 const ROWS: usize = 4;
 /// Tokens per pass over a tile (bounded so the accumulators stay in registers).
@@ -22,8 +86,8 @@ const BLOCK: usize = 32;
 /// A matrix of `rows` rows of `cols` elements, stored as GGML blocks.
 #[derive(Debug, Clone, Copy)]
 pub struct QRef<'a> {
-    /// Element type.
-    pub ty: TensorType,
+    /// Block format.
+    pub ty: Format,
     /// Output features.
     pub rows: usize,
     /// Input features (a multiple of 32 for block types).
@@ -50,10 +114,27 @@ impl QRef<'_> {
 
 /// Dequantizes block `b` of a row into `out` (32 values, fewer only for F32/F16 tails).
 #[inline(always)]
-fn dequant_block(ty: TensorType, row: &[u8], b: usize, out: &mut [f32]) {
+fn dequant_block(ty: Format, row: &[u8], b: usize, out: &mut [f32]) {
     let h = |lo: u8, hi: u8| f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32();
+    let f = |x: &[u8]| f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
     match ty {
-        TensorType::Q4_1 => {
+        Format::Q4_1Wide => {
+            let blk = &row[b * 24..b * 24 + 24];
+            let (d, m) = (f(&blk[0..4]), f(&blk[4..8]));
+            let qs = &blk[8..24];
+            for j in 0..16 {
+                out[j] = f32::from(qs[j] & 0x0F).mul_add(d, m);
+                out[j + 16] = f32::from(qs[j] >> 4).mul_add(d, m);
+            }
+        }
+        Format::Q8_0Wide => {
+            let blk = &row[b * 36..b * 36 + 36];
+            let d = f(&blk[0..4]);
+            for j in 0..32 {
+                out[j] = f32::from(blk[4 + j] as i8) * d;
+            }
+        }
+        Format::Gguf(TensorType::Q4_1) => {
             let blk = &row[b * 20..b * 20 + 20];
             let (d, m) = (h(blk[0], blk[1]), h(blk[2], blk[3]));
             let qs = &blk[4..20];
@@ -62,7 +143,7 @@ fn dequant_block(ty: TensorType, row: &[u8], b: usize, out: &mut [f32]) {
                 out[j + 16] = f32::from(qs[j] >> 4).mul_add(d, m);
             }
         }
-        TensorType::Q4_0 => {
+        Format::Gguf(TensorType::Q4_0) => {
             let blk = &row[b * 18..b * 18 + 18];
             let d = h(blk[0], blk[1]);
             let qs = &blk[2..18];
@@ -71,20 +152,20 @@ fn dequant_block(ty: TensorType, row: &[u8], b: usize, out: &mut [f32]) {
                 out[j + 16] = (f32::from(qs[j] >> 4) - 8.0) * d;
             }
         }
-        TensorType::Q8_0 => {
+        Format::Gguf(TensorType::Q8_0) => {
             let blk = &row[b * 34..b * 34 + 34];
             let d = h(blk[0], blk[1]);
             for j in 0..32 {
                 out[j] = f32::from(blk[2 + j] as i8) * d;
             }
         }
-        TensorType::F32 => {
+        Format::Gguf(TensorType::F32) => {
             for (j, o) in out.iter_mut().enumerate() {
                 let at = (b * BLOCK + j) * 4;
                 *o = f32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]]);
             }
         }
-        TensorType::F16 => {
+        Format::Gguf(TensorType::F16) => {
             for (j, o) in out.iter_mut().enumerate() {
                 let at = (b * BLOCK + j) * 2;
                 *o = h(row[at], row[at + 1]);
@@ -94,58 +175,97 @@ fn dequant_block(ty: TensorType, row: &[u8], b: usize, out: &mut [f32]) {
 }
 
 /// `out[t * w.rows + n] = Σ_k w[n][k] · x[t * w.cols + k]` for `tokens` tokens, on `threads`
-/// threads (rows are split between them; the result does not depend on the split).
+/// threads. Many tokens are split between threads by token, few by row; neither split
+/// changes a single result bit.
 pub fn matmul(w: QRef<'_>, x: &[f32], tokens: usize, out: &mut [f32], threads: usize) {
-    debug_assert_eq!(x.len(), tokens * w.cols);
-    debug_assert_eq!(out.len(), tokens * w.rows);
+    assert_eq!(x.len(), tokens * w.cols, "matmul input shape");
+    assert_eq!(out.len(), tokens * w.rows, "matmul output shape");
     if tokens == 0 {
         return;
     }
-    let tiles = w.rows.div_ceil(ROWS);
-    if threads <= 1 || tiles < 2 {
-        // Rows-major scratch: each tile writes its rows for every token.
-        let mut t_out = vec![0f32; w.rows * tokens];
-        matmul_into_rows(w, x, tokens, 0, w.rows, &mut t_out);
-        transpose_into(&t_out, w.rows, tokens, out);
+    if threads <= 1 {
+        return rows_strided(w, x, tokens, 0, w.rows, out, w.rows);
+    }
+    if tokens >= threads * 8 {
+        let per = tokens.div_ceil(threads);
+        out.par_chunks_mut(per * w.rows)
+            .zip(x.par_chunks(per * w.cols))
+            .for_each(|(o, xs)| rows_strided(w, xs, xs.len() / w.cols, 0, w.rows, o, w.rows));
         return;
     }
-    // Split the tiles into contiguous parts, a few per thread for balance.
-    let parts = (threads * 4).min(tiles);
-    let per = tiles.div_ceil(parts);
-    let mut t_out = vec![0f32; w.rows * tokens];
-    t_out
-        .par_chunks_mut(per * ROWS * tokens)
-        .enumerate()
-        .for_each(|(i, chunk)| {
-            let first = i * per * ROWS;
-            let n = chunk.len() / tokens;
-            matmul_into_rows(w, x, tokens, first, n, chunk);
-        });
-    transpose_into(&t_out, w.rows, tokens, out);
-}
-
-fn transpose_into(rows_major: &[f32], rows: usize, tokens: usize, out: &mut [f32]) {
-    for n in 0..rows {
+    // Few tokens: split the rows; each part writes its columns into its own buffer.
+    let parts = threads.min(w.rows.div_ceil(ROWS));
+    let per = w.rows.div_ceil(parts).div_ceil(ROWS) * ROWS;
+    let results: Vec<(usize, usize, Vec<f32>)> = (0..parts)
+        .into_par_iter()
+        .filter_map(|p| {
+            let first = p * per;
+            let n = per.min(w.rows.saturating_sub(first));
+            if n == 0 {
+                return None;
+            }
+            let mut part = vec![0f32; tokens * n];
+            rows_strided(w, x, tokens, first, n, &mut part, n);
+            Some((first, n, part))
+        })
+        .collect();
+    for (first, n, part) in results {
         for t in 0..tokens {
-            out[t * rows + n] = rows_major[n * tokens + t];
+            out[t * w.rows + first..t * w.rows + first + n]
+                .copy_from_slice(&part[t * n..(t + 1) * n]);
         }
     }
 }
 
-/// Rows `first..first + n` of the product, written row-major (`out[(r - first) * tokens + t]`).
-pub fn matmul_into_rows(
+/// Rows `first..first + n` for every token, written to `out[t * out_stride + (r - first)]`.
+pub fn rows_strided(
     w: QRef<'_>,
     x: &[f32],
     tokens: usize,
     first: usize,
     n: usize,
     out: &mut [f32],
+    out_stride: usize,
 ) {
-    crate::dispatch!(rows_kernel(w, x, tokens, first, n, out))
+    assert!(first + n <= w.rows && x.len() >= tokens * w.cols);
+    assert!(out_stride >= n && out.len() >= (tokens - 1) * out_stride + n);
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 && w.cols.is_multiple_of(BLOCK) {
+        use super::avx512;
+        // SAFETY: the asserts above bound every row, token and output index the kernel
+        // touches; `isa()` detected AVX-512F and F16C.
+        // Many tokens: dequantize each tile once, then sweep the tokens (same bits).
+        let many = tokens >= 8;
+        macro_rules! run {
+            ($B:ty) => {
+                if many {
+                    avx512::rows_many::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+                } else {
+                    avx512::rows::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+                }
+            };
+        }
+        match w.ty {
+            Format::Gguf(TensorType::Q4_1) => return unsafe { run!(avx512::Q4_1) },
+            Format::Gguf(TensorType::Q8_0) => return unsafe { run!(avx512::Q8_0) },
+            Format::Q4_1Wide => return unsafe { run!(avx512::Q4_1Wide) },
+            Format::Q8_0Wide => return unsafe { run!(avx512::Q8_0Wide) },
+            _ => {}
+        }
+    }
+    crate::dispatch!(rows_kernel(w, x, tokens, first, n, out, out_stride))
 }
 
 #[inline(always)]
-fn rows_kernel(w: QRef<'_>, x: &[f32], tokens: usize, first: usize, n: usize, out: &mut [f32]) {
+fn rows_kernel(
+    w: QRef<'_>,
+    x: &[f32],
+    tokens: usize,
+    first: usize,
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
     let rb = w.row_bytes();
     let blocks = w.cols.div_ceil(BLOCK);
     let mut r = 0;
@@ -174,7 +294,7 @@ fn rows_kernel(w: QRef<'_>, x: &[f32], tokens: usize, first: usize, n: usize, ou
             }
             for i in 0..tile {
                 for j in 0..group {
-                    out[(r + i) * tokens + t + j] = hsum(&acc[i][j]);
+                    out[(t + j) * out_stride + r + i] = hsum(&acc[i][j]);
                 }
             }
             t += group;
@@ -234,25 +354,28 @@ mod tests {
     fn matches_a_f64_reference_for_every_type() {
         let (rows, cols) = (13, 96);
         let values = random(rows * cols, 1);
-        for ty in [
+        let types = [
             TensorType::Q4_1,
             TensorType::Q4_0,
             TensorType::Q8_0,
             TensorType::F16,
             TensorType::F32,
-        ] {
-            let bytes = quantize(ty, &values);
-            let w = QRef {
-                ty,
-                rows,
-                cols,
-                bytes: &bytes,
-            };
-            let x = random(5 * cols, 2);
-            let mut out = vec![0f32; 5 * rows];
-            matmul(w, &x, 5, &mut out, 2);
-            for (a, b) in out.iter().zip(reference(&w, &x, 5)) {
-                assert!((a - b).abs() < 1e-4, "{ty:?}: {a} vs {b}");
+        ];
+        for gty in types {
+            let raw = quantize(gty, &values);
+            for (ty, bytes) in [(Format::Gguf(gty), raw.clone()), repack(gty, &raw)] {
+                let w = QRef {
+                    ty,
+                    rows,
+                    cols,
+                    bytes: &bytes,
+                };
+                let x = random(5 * cols, 2);
+                let mut out = vec![0f32; 5 * rows];
+                matmul(w, &x, 5, &mut out, 2);
+                for (a, b) in out.iter().zip(reference(&w, &x, 5)) {
+                    assert!((a - b).abs() < 1e-4, "{ty:?}: {a} vs {b}");
+                }
             }
         }
     }
@@ -260,16 +383,31 @@ mod tests {
     #[test]
     fn batch_size_threads_and_position_do_not_change_a_single_bit() {
         let (rows, cols) = (37, 128);
-        let bytes = quantize(TensorType::Q4_1, &random(rows * cols, 3));
+        let raw = quantize(TensorType::Q4_1, &random(rows * cols, 3));
+        let (ty, bytes) = repack(TensorType::Q4_1, &raw);
         let w = QRef {
-            ty: TensorType::Q4_1,
+            ty,
             rows,
             cols,
             bytes: &bytes,
         };
+        // Repacking changes the storage, not the values: same bits as the file's blocks.
+        let orig = QRef {
+            ty: Format::Gguf(TensorType::Q4_1),
+            rows,
+            cols,
+            bytes: &raw,
+        };
         let x = random(11 * cols, 4);
         let mut all = vec![0f32; 11 * rows];
         matmul(w, &x, 11, &mut all, 1);
+        let mut from_file = vec![0f32; 11 * rows];
+        matmul(orig, &x, 11, &mut from_file, 1);
+        assert_eq!(from_file, all);
+        // The portable kernel computes the same bits as the one this machine dispatches to.
+        let mut portable = vec![0f32; 11 * rows];
+        rows_kernel(w, &x, 11, 0, rows, &mut portable, rows);
+        assert_eq!(portable, all);
         for threads in [1, 2, 3] {
             for t in 0..11 {
                 let mut one = vec![0f32; rows];
@@ -283,6 +421,23 @@ mod tests {
             let mut again = vec![0f32; 6 * rows];
             matmul(w, &x[5 * cols..], 6, &mut again, threads);
             assert_eq!(again, all[5 * rows..]);
+            // Enough tokens to split by token (and to take the many-token kernel).
+            let many = random(40 * cols, 5);
+            let mut singles = vec![0f32; 40 * rows];
+            for t in 0..40 {
+                matmul(
+                    w,
+                    &many[t * cols..(t + 1) * cols],
+                    1,
+                    &mut singles[t * rows..(t + 1) * rows],
+                    1,
+                );
+            }
+            let (mut a, mut b) = (vec![0f32; 40 * rows], vec![0f32; 40 * rows]);
+            matmul(w, &many, 40, &mut a, 1);
+            matmul(w, &many, 40, &mut b, threads);
+            assert_eq!(a, b);
+            assert_eq!(a, singles);
         }
     }
 }

@@ -15,13 +15,18 @@
 //! The instruction set is chosen once per process (AVX-512, AVX2+FMA, or portable code), so
 //! the guarantee holds per machine; the portable path uses the same order with `mul_add`.
 
-#![allow(unsafe_code)] // target_feature dispatch; each call site states why it is sound
+#![allow(unsafe_code)]
+// target_feature dispatch; each call site states why it is sound
+// Kernels index several arrays with one loop variable on purpose: it is the tile coordinate.
+#![allow(clippy::needless_range_loop)]
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod matmul;
 pub mod ops;
 
-pub use matmul::{QRef, matmul, matmul_into_rows};
+pub use matmul::{Format, QRef, matmul, repack, rows_strided};
 
 /// Partial sums per dot product.
 pub const LANES: usize = 16;

@@ -1,0 +1,157 @@
+//! Engine throughput on the real model: prefill of a 512-token prompt, decode at batch 1, 8
+//! and 32, with 1 and 2 threads. Prints tokens per second. `cargo bench -p duet-engine`.
+//!
+//! `benches/engine_vs_llamacpp.sh` runs this beside llama.cpp on the same GGUF.
+
+use std::time::Instant;
+
+use duet_engine::{Engine, EngineOptions, Model, SeqChunk, fetch};
+use duet_gpu::KvDtype;
+
+fn main() {
+    let path = std::env::var_os(fetch::MODEL_ENV)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../models")
+                .join(fetch::MODEL_FILE)
+        });
+    let path = fetch::ensure_model(&path, &mut |_| {}).expect("model");
+    let args: Vec<String> = std::env::args().collect();
+    let threads_list: Vec<usize> = match args.iter().position(|a| a == "--threads") {
+        Some(i) => args[i + 1]
+            .split(',')
+            .filter_map(|s| s.parse().ok())
+            .collect(),
+        None => vec![1, 2],
+    };
+    let quick = args.iter().any(|a| a == "--quick");
+    if args.iter().any(|a| a == "--kernels") {
+        kernels(&path);
+        return;
+    }
+    for threads in threads_list {
+        let model = Model::open(&path).expect("model");
+        let prompt: Vec<u32> = model
+            .tokenizer
+            .encode(&"The quick brown fox jumps over the lazy dog. ".repeat(60))
+            .into_iter()
+            .take(512)
+            .collect();
+        let mut e = Engine::new(
+            model,
+            EngineOptions {
+                kv_dtype: KvDtype::F16,
+                kv_pages: 32 * 40 + 64,
+                threads,
+                ..EngineOptions::default()
+            },
+        )
+        .expect("engine");
+        // Prefill: whole prompt in one step.
+        let pages = e.pool.alloc.alloc(33).expect("pages");
+        let runs = if quick { 1 } else { 3 };
+        let mut best = f64::MAX;
+        for _ in 0..runs {
+            let start = Instant::now();
+            e.step(&[SeqChunk {
+                tokens: &prompt,
+                start_pos: 0,
+                pages: &pages,
+                want_logits: true,
+            }])
+            .expect("prefill");
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        println!(
+            "threads {threads}: prefill {} tokens      {:>8.1} tok/s",
+            prompt.len(),
+            prompt.len() as f64 / best
+        );
+        e.pool.alloc.release_all(&pages).expect("release");
+        for batch in [1usize, 8, 32] {
+            // Each sequence starts from a 32-token context, then decodes `steps` tokens.
+            let steps = if quick { 8 } else { 32 };
+            let seqs: Vec<Vec<u32>> = (0..batch)
+                .map(|_| e.pool.alloc.alloc(5).expect("pages"))
+                .collect();
+            let ctx = &prompt[..32];
+            let chunks: Vec<SeqChunk> = seqs
+                .iter()
+                .map(|p| SeqChunk {
+                    tokens: ctx,
+                    start_pos: 0,
+                    pages: p,
+                    want_logits: false,
+                })
+                .collect();
+            e.step(&chunks).expect("context");
+            let token = [prompt[40]];
+            let start = Instant::now();
+            for s in 0..steps {
+                let chunks: Vec<SeqChunk> = seqs
+                    .iter()
+                    .map(|p| SeqChunk {
+                        tokens: &token,
+                        start_pos: 32 + s,
+                        pages: p,
+                        want_logits: true,
+                    })
+                    .collect();
+                e.step(&chunks).expect("decode");
+            }
+            let secs = start.elapsed().as_secs_f64();
+            println!(
+                "threads {threads}: decode batch {batch:>2}          {:>8.1} tok/s  ({:.2} ms/step)",
+                (batch * steps) as f64 / secs,
+                secs * 1e3 / steps as f64
+            );
+            for p in seqs {
+                e.pool.alloc.release_all(&p).expect("release");
+            }
+        }
+    }
+}
+
+/// Times one matrix product of each shape of the model at 1 token and 32 tokens.
+fn kernels(path: &std::path::Path) {
+    let model = Model::open(path).expect("model");
+    let l = &model.layers[0];
+    for (name, m) in [
+        ("attn_q", &l.wq),
+        ("attn_k", &l.wk),
+        ("ffn_up", &l.w_up),
+        ("ffn_down", &l.w_down),
+    ] {
+        let w = model.w(m);
+        for tokens in [1usize, 32] {
+            let x = vec![0.5f32; tokens * w.cols];
+            let mut out = vec![0f32; tokens * w.rows];
+            let reps = 2000 / tokens;
+            let start = Instant::now();
+            for _ in 0..reps {
+                duet_engine::kernels::matmul(w, &x, tokens, &mut out, 1);
+            }
+            let per = start.elapsed().as_secs_f64() / reps as f64;
+            let macs = (w.rows * w.cols * tokens) as f64;
+            println!(
+                "{name:>9} {}x{} tokens {tokens:>2}: {:>8.1} us  {:>6.2} GMAC/s",
+                w.rows,
+                w.cols,
+                per * 1e6,
+                macs / per / 1e9
+            );
+        }
+    }
+    let head = model.lm_head();
+    let x = vec![0.5f32; head.cols];
+    let mut out = vec![0f32; head.rows];
+    let start = Instant::now();
+    for _ in 0..50 {
+        duet_engine::kernels::matmul(head, &x, 1, &mut out, 1);
+    }
+    println!(
+        "  lm_head 1 token: {:.1} us",
+        start.elapsed().as_secs_f64() / 50.0 * 1e6
+    );
+}
