@@ -13,6 +13,8 @@
 //! - [`gguf`]: file parsing (and a writer for the tiny test model).
 //! - [`tokenizer`], [`chat`]: byte-level BPE and the Jinja chat template from the file.
 //! - [`model`], [`engine`], [`kernels`]: weights, the step API, the exact CPU kernels.
+//! - [`sampling`], [`prefix_cache`], [`scheduler`], [`runner`]: choosing tokens, reusing
+//!   prompt pages, continuous batching with chunked prefill.
 
 pub mod chat;
 pub mod engine;
@@ -20,7 +22,14 @@ pub mod fetch;
 pub mod gguf;
 pub mod kernels;
 pub mod model;
+pub mod prefix_cache;
+pub mod runner;
+pub mod sampling;
+pub mod scheduler;
+pub mod tiny;
 pub mod tokenizer;
 
 pub use engine::{Engine, EngineError, EngineOptions, SeqChunk};
 pub use model::Model;
+pub use runner::Runner;
+pub use sampling::{FinishReason, SamplingParams};

@@ -1,0 +1,218 @@
+//! The prefix cache: a radix tree over full KV pages, keyed by the token ids they hold.
+//!
+//! Each node is one full page: the `page_size` tokens it holds (its edge label) and the page.
+//! A path from the root spells a prefix. The cache holds one reference on every cached page;
+//! a sequence that reuses a page takes its own. Only full pages are cached, and a full page is
+//! never written again, so sharing is read-only. When pages run short, leaves that nobody but
+//! the cache references are evicted, least recently used first.
+
+use std::collections::HashMap;
+
+use duet_gpu::{PageAllocator, PageId, PoolError};
+
+#[derive(Debug)]
+struct Node {
+    page: PageId,
+    parent: Option<usize>,
+    key: Vec<u32>,
+    children: HashMap<Vec<u32>, usize>,
+    last_used: u64,
+}
+
+/// A radix tree of cached pages.
+#[derive(Debug)]
+pub struct PrefixCache {
+    page_size: usize,
+    nodes: Vec<Option<Node>>,
+    free_slots: Vec<usize>,
+    roots: HashMap<Vec<u32>, usize>,
+    clock: u64,
+    /// Pages reused by sequences (for metrics and tests).
+    pub hits: u64,
+}
+
+impl PrefixCache {
+    /// An empty cache for pages of `page_size` tokens.
+    pub fn new(page_size: usize) -> PrefixCache {
+        PrefixCache {
+            page_size,
+            nodes: Vec::new(),
+            free_slots: Vec::new(),
+            roots: HashMap::new(),
+            clock: 0,
+            hits: 0,
+        }
+    }
+
+    /// Pages held by the cache.
+    pub fn len(&self) -> usize {
+        self.nodes.iter().flatten().count()
+    }
+
+    /// Whether the cache holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn node(&self, i: usize) -> &Node {
+        // Indices come from `roots`/`children`, which only hold live slots.
+        self.nodes[i]
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("dangling cache node {i}"))
+    }
+
+    fn child(&self, parent: Option<usize>, key: &[u32]) -> Option<usize> {
+        match parent {
+            None => self.roots.get(key).copied(),
+            Some(p) => self.node(p).children.get(key).copied(),
+        }
+    }
+
+    /// The longest cached run of full pages that prefixes `tokens`, at most `max_pages`; each
+    /// returned page gets a reference for the caller.
+    pub fn acquire(
+        &mut self,
+        tokens: &[u32],
+        max_pages: usize,
+        alloc: &mut PageAllocator,
+    ) -> Result<Vec<PageId>, PoolError> {
+        self.clock += 1;
+        let mut pages = Vec::new();
+        let mut at = None;
+        for key in tokens.chunks_exact(self.page_size).take(max_pages) {
+            let Some(i) = self.child(at, key) else { break };
+            let page = self.node(i).page;
+            alloc.retain(page)?;
+            pages.push(page);
+            if let Some(n) = self.nodes[i].as_mut() {
+                n.last_used = self.clock;
+            }
+            at = Some(i);
+        }
+        self.hits += pages.len() as u64;
+        Ok(pages)
+    }
+
+    /// Caches the full pages of a sequence: `pages[i]` holds `tokens[i * page_size..]`. Pages
+    /// already cached under the same prefix are kept (the sequence's copy stays its own).
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        pages: &[PageId],
+        alloc: &mut PageAllocator,
+    ) -> Result<(), PoolError> {
+        self.clock += 1;
+        let mut at: Option<usize> = None;
+        for (key, &page) in tokens.chunks_exact(self.page_size).zip(pages) {
+            let i = match self.child(at, key) {
+                Some(i) => i,
+                None => {
+                    alloc.retain(page)?;
+                    let node = Node {
+                        page,
+                        parent: at,
+                        key: key.to_vec(),
+                        children: HashMap::new(),
+                        last_used: self.clock,
+                    };
+                    let i = match self.free_slots.pop() {
+                        Some(slot) => {
+                            self.nodes[slot] = Some(node);
+                            slot
+                        }
+                        None => {
+                            self.nodes.push(Some(node));
+                            self.nodes.len() - 1
+                        }
+                    };
+                    match at {
+                        None => {
+                            self.roots.insert(key.to_vec(), i);
+                        }
+                        Some(p) => {
+                            if let Some(parent) = self.nodes[p].as_mut() {
+                                parent.children.insert(key.to_vec(), i);
+                            }
+                        }
+                    }
+                    i
+                }
+            };
+            if let Some(n) = self.nodes[i].as_mut() {
+                n.last_used = self.clock;
+            }
+            at = Some(i);
+        }
+        Ok(())
+    }
+
+    /// Frees up to `want` pages: least recently used leaves that only the cache references.
+    /// Returns how many were freed.
+    pub fn evict(&mut self, want: usize, alloc: &mut PageAllocator) -> usize {
+        let mut freed = 0;
+        while freed < want {
+            let victim = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
+                .filter(|(_, n)| n.children.is_empty() && alloc.refs(n.page) == 1)
+                .min_by_key(|(_, n)| n.last_used)
+                .map(|(i, _)| i);
+            let Some(i) = victim else { break };
+            let Some(node) = self.nodes[i].take() else {
+                break;
+            };
+            self.free_slots.push(i);
+            match node.parent {
+                None => {
+                    self.roots.remove(&node.key);
+                }
+                Some(p) => {
+                    if let Some(parent) = self.nodes[p].as_mut() {
+                        parent.children.remove(&node.key);
+                    }
+                }
+            }
+            if alloc.release(node.page).is_ok() {
+                freed += 1;
+            }
+        }
+        freed
+    }
+
+    /// Drops every page nobody else holds (for shutdown and the "quiet pool" check).
+    pub fn clear(&mut self, alloc: &mut PageAllocator) {
+        self.evict(usize::MAX, alloc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_full_pages_and_evicts_unreferenced_leaves() {
+        let mut alloc = PageAllocator::new(8);
+        let mut cache = PrefixCache::new(2);
+        let tokens = [1, 2, 3, 4, 5];
+        let pages = alloc.alloc(3).unwrap();
+        cache.insert(&tokens, &pages, &mut alloc).unwrap();
+        assert_eq!(cache.len(), 2); // only the two full pages
+        // Another sequence with the same first 4 tokens reuses both pages.
+        let got = cache.acquire(&[1, 2, 3, 4, 9], 2, &mut alloc).unwrap();
+        assert_eq!(got, pages[..2]);
+        assert_eq!(cache.hits, 2);
+        // A different second page: only the first is shared.
+        let got2 = cache.acquire(&[1, 2, 7, 7], 2, &mut alloc).unwrap();
+        assert_eq!(got2, pages[..1]);
+        // Nothing is evictable while sequences hold the pages.
+        alloc.release_all(&pages).unwrap();
+        assert_eq!(cache.evict(8, &mut alloc), 0);
+        alloc.release_all(&got).unwrap();
+        alloc.release_all(&got2).unwrap();
+        assert_eq!(cache.evict(8, &mut alloc), 2);
+        assert!(cache.is_empty());
+        assert_eq!(alloc.stats().free, 8);
+    }
+}

@@ -1,0 +1,237 @@
+//! Choosing the next token: greedy, temperature, top-k, top-p, with a seed; and when to stop.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// How to sample and when to stop (the OpenAI parameters, plus the benchmark clients' ones).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus: keep the most likely tokens whose probabilities sum to at least this (1 = off).
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Seed of the request's random stream; the same seed gives the same tokens.
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Fewest tokens to generate before EOS or a stop string may end the sequence.
+    pub min_tokens: usize,
+    /// Do not stop at EOS.
+    pub ignore_eos: bool,
+    /// Stop when the text contains any of these (the stop string is not returned).
+    pub stop: Vec<String>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            max_tokens: 16,
+            min_tokens: 0,
+            ignore_eos: false,
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// `max_tokens` reached (or the context is full).
+    Length,
+}
+
+/// A sampled token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability under the model's distribution (raw logits, temperature 1).
+    pub logprob: f32,
+}
+
+/// A request's sampler: its parameters and its random stream.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// A sampler seeded from `params.seed`, or from entropy when there is none.
+    pub fn new(params: SamplingParams) -> Sampler {
+        let rng = match params.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Sampler { params, rng }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Samples from `logits`; `banned` tokens (EOS before `min_tokens`) are never chosen.
+    pub fn sample(&mut self, logits: &[f32], banned: Option<u32>) -> Sampled {
+        let logprob_of = |token: u32| log_softmax_at(logits, token as usize);
+        let allowed = |i: usize| banned != Some(i as u32);
+        if self.params.temperature <= 0.0 {
+            let token = argmax(logits, allowed);
+            return Sampled {
+                token,
+                logprob: logprob_of(token),
+            };
+        }
+        let inv_t = 1.0 / self.params.temperature;
+        let mut cands: Vec<(usize, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| allowed(*i) && l.is_finite())
+            .map(|(i, l)| (i, l * inv_t))
+            .collect();
+        if cands.is_empty() {
+            let token = argmax(logits, |_| true);
+            return Sampled {
+                token,
+                logprob: logprob_of(token),
+            };
+        }
+        // Most likely first; ties by lower id so the order is deterministic.
+        cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 {
+            cands.truncate(self.params.top_k);
+        }
+        let max = cands[0].1;
+        let mut probs: Vec<f64> = cands
+            .iter()
+            .map(|(_, l)| f64::from(l - max).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        if self.params.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = probs.len();
+            for (i, p) in probs.iter().enumerate() {
+                cum += p / total;
+                if cum >= f64::from(self.params.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut r = self.rng.random::<f64>() * total;
+        let mut chosen = cands[probs.len() - 1].0;
+        for (i, p) in probs.iter().enumerate() {
+            if r < *p {
+                chosen = cands[i].0;
+                break;
+            }
+            r -= p;
+        }
+        Sampled {
+            token: chosen as u32,
+            logprob: logprob_of(chosen as u32),
+        }
+    }
+}
+
+fn argmax(logits: &[f32], allowed: impl Fn(usize) -> bool) -> u32 {
+    let mut best: Option<usize> = None;
+    for (i, l) in logits.iter().enumerate() {
+        if allowed(i) && best.is_none_or(|b| *l > logits[b]) {
+            best = Some(i);
+        }
+    }
+    best.unwrap_or(0) as u32
+}
+
+/// `log softmax(logits)[i]`, computed stably in f64.
+pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
+    (f64::from(logits[i] - max) - sum.ln()) as f32
+}
+
+/// Where in `text` generation should stop, if a stop string appears: the byte index where the
+/// earliest one starts.
+pub fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_argmax_and_reports_its_logprob() {
+        let mut s = Sampler::new(SamplingParams::default());
+        let out = s.sample(&[0.0, 2.0, 1.0], None);
+        assert_eq!(out.token, 1);
+        let expect = 2.0 - (1f64 + 2f64.exp() + 1f64.exp()).ln() as f32;
+        assert!((out.logprob - expect).abs() < 1e-6);
+        assert_eq!(s.sample(&[0.0, 2.0, 1.0], Some(1)).token, 2);
+    }
+
+    #[test]
+    fn a_seed_reproduces_the_same_tokens() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            top_k: 20,
+            seed: Some(7),
+            ..SamplingParams::default()
+        };
+        let run = || {
+            let mut s = Sampler::new(params.clone());
+            (0..20)
+                .map(|_| s.sample(&logits, None).token)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
+        // And top-k holds: only the 20 most likely can appear.
+        let mut sorted: Vec<usize> = (0..50).collect();
+        sorted.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]));
+        for t in run() {
+            assert!(sorted[..20].contains(&(t as usize)));
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // One token has almost all the mass: top_p 0.5 must always pick it.
+        let mut logits = vec![0.0f32; 10];
+        logits[3] = 20.0;
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: Some(1),
+            ..SamplingParams::default()
+        });
+        assert!((0..100).all(|_| s.sample(&logits, None).token == 3));
+    }
+
+    #[test]
+    fn stop_strings() {
+        assert_eq!(
+            find_stop("hello world", &["wor".into(), "xyz".into()]),
+            Some(6)
+        );
+        assert_eq!(find_stop("hello", &["".into()]), None);
+    }
+}

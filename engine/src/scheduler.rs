@@ -1,0 +1,560 @@
+//! The colocated scheduler: continuous batching with chunked prefill under a token budget.
+//!
+//! Sans-IO: no threads, no clocks, no sockets. [`Scheduler::plan`] decides what the next step
+//! computes and reserves the pages for it; the caller runs the step; [`Scheduler::commit`]
+//! takes the logits back, samples, and reports events. Each step:
+//!
+//! 1. every decoding sequence gets its next token (one page more when it crosses a page);
+//! 2. sequences part-way through their prompt get their next chunk;
+//! 3. waiting sequences are admitted in arrival order while the budget, the batch limit and
+//!    the pages last; an admitted prompt first reuses the prefix cache's pages.
+//!
+//! When a decoding sequence needs a page and none is free (after evicting the prefix cache),
+//! the most recently admitted sequence is preempted: its pages are freed and it goes back to
+//! the front of the queue to recompute later (vLLM's recompute preemption).
+
+use std::collections::{HashMap, VecDeque};
+
+use duet_gpu::{PageAllocator, PageId, PoolError};
+
+use crate::engine::SeqChunk;
+use crate::prefix_cache::PrefixCache;
+use crate::sampling::{FinishReason, Sampler, SamplingParams, find_stop};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Identifies a sequence.
+pub type SeqId = u64;
+
+/// Scheduler limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens computed per step at most (decode tokens plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Sequences running at once at most.
+    pub max_running: usize,
+    /// Longest sequence (prompt plus output).
+    pub max_context: usize,
+    /// Tokens per page (the pool's).
+    pub page_size: usize,
+}
+
+/// A request the scheduler cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The prompt is empty.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Prompt plus `max_tokens` do not fit the context.
+    #[error(
+        "the prompt has {prompt} tokens and max_tokens is {max_tokens}: more than the context of {context}"
+    )]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested output tokens.
+        max_tokens: usize,
+        /// The limit.
+        context: usize,
+    },
+    /// The id is already in use.
+    #[error("sequence {0} already exists")]
+    Duplicate(SeqId),
+}
+
+/// One piece of work in a planned step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanItem {
+    /// The sequence.
+    pub seq: SeqId,
+    /// First position computed.
+    pub start: usize,
+    /// Tokens computed.
+    pub len: usize,
+    /// Whether the step's logits for the last token are needed (end of prompt, or decode).
+    pub sample: bool,
+}
+
+/// What one step computes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The work, decode tokens first.
+    pub items: Vec<PlanItem>,
+}
+
+/// Something that happened to a sequence in a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqEvent {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Text that is now final (never splits a character or shows a stop string).
+    pub text: String,
+    /// Set when the sequence ended.
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefix cache (on the first token only).
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug)]
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    computed: usize,
+    pages: Vec<PageId>,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    text: String,
+    emitted: usize,
+    generated: usize,
+    cached_tokens: usize,
+    admitted: u64,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.computed + 1 == self.tokens.len() && self.generated > 0
+    }
+}
+
+/// The scheduler's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Prompt tokens not computed thanks to the prefix cache.
+    pub cached_tokens: u64,
+}
+
+/// The colocated scheduler.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    seqs: HashMap<SeqId, Seq>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    admissions: u64,
+    /// Counters.
+    pub stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// An idle scheduler.
+    pub fn new(cfg: SchedulerConfig) -> Scheduler {
+        Scheduler {
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            admissions: 0,
+            stats: SchedulerStats::default(),
+        }
+    }
+
+    /// The limits.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queues a request.
+    pub fn submit(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(), SubmitError> {
+        if prompt.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if prompt.len() + params.max_tokens > self.cfg.max_context {
+            return Err(SubmitError::TooLong {
+                prompt: prompt.len(),
+                max_tokens: params.max_tokens,
+                context: self.cfg.max_context,
+            });
+        }
+        if self.seqs.contains_key(&id) {
+            return Err(SubmitError::Duplicate(id));
+        }
+        self.seqs.insert(
+            id,
+            Seq {
+                prompt_len: prompt.len(),
+                tokens: prompt,
+                computed: 0,
+                pages: Vec::new(),
+                sampler: Sampler::new(params),
+                decoder: StreamDecoder::default(),
+                text: String::new(),
+                emitted: 0,
+                generated: 0,
+                cached_tokens: 0,
+                admitted: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Sequences waiting and running.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (self.waiting.len(), self.running.len())
+    }
+
+    /// Prompt tokens queued but not yet computed.
+    pub fn queued_tokens(&self) -> usize {
+        self.waiting
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .map(|s| s.tokens.len() - s.computed)
+            .sum()
+    }
+
+    /// Ends a sequence early (client gone); its pages are released.
+    pub fn abort(&mut self, id: SeqId, alloc: &mut PageAllocator) -> Result<bool, PoolError> {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return Ok(false);
+        };
+        self.waiting.retain(|s| *s != id);
+        self.running.retain(|s| *s != id);
+        alloc.release_all(&seq.pages)?;
+        Ok(true)
+    }
+
+    /// Plans the next step and reserves its pages.
+    pub fn plan(
+        &mut self,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+    ) -> Result<Plan, PoolError> {
+        let ps = self.cfg.page_size;
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut items = Vec::new();
+
+        // 1. Decode tokens, oldest admission first; preempt the newest when pages run out.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(seq) = self.seqs.get(&id) else {
+                i += 1;
+                continue;
+            };
+            if !seq.decoding() {
+                i += 1;
+                continue;
+            }
+            if seq.pages.len() * ps <= seq.computed {
+                match self.take_pages(1, alloc, cache, Some(id))? {
+                    Some(mut p) => {
+                        if let Some(seq) = self.seqs.get_mut(&id) {
+                            seq.pages.append(&mut p);
+                        }
+                    }
+                    // Preempted itself: nothing else could give way.
+                    None => continue,
+                }
+            }
+            if let Some(seq) = self.seqs.get(&id) {
+                items.push(PlanItem {
+                    seq: id,
+                    start: seq.computed,
+                    len: 1,
+                    sample: true,
+                });
+                budget -= 1;
+            }
+            i += 1;
+        }
+
+        // 2. Prompt chunks: running sequences first, then admissions in arrival order.
+        let prefilling: Vec<SeqId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.seqs.get(id).is_some_and(|s| !s.decoding()))
+            .filter(|id| !items.iter().any(|it| it.seq == *id))
+            .collect();
+        for id in prefilling {
+            if budget == 0 {
+                break;
+            }
+            if let Some(item) = self.chunk(id, budget, alloc, cache)? {
+                budget -= item.len;
+                items.push(item);
+            }
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            self.admit(id, alloc, cache)?;
+            match self.chunk(id, budget, alloc, cache)? {
+                Some(item) => {
+                    self.waiting.pop_front();
+                    self.running.push(id);
+                    budget -= item.len;
+                    items.push(item);
+                }
+                None => {
+                    // No page for even one token: give back what admission took, wait.
+                    if let Some(seq) = self.seqs.get_mut(&id) {
+                        alloc.release_all(&seq.pages)?;
+                        seq.pages.clear();
+                        seq.computed = 0;
+                        seq.cached_tokens = 0;
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(Plan { items })
+    }
+
+    /// Reuses cached prompt pages for a sequence being admitted.
+    fn admit(
+        &mut self,
+        id: SeqId,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+    ) -> Result<(), PoolError> {
+        let ps = self.cfg.page_size;
+        self.admissions += 1;
+        let order = self.admissions;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Ok(());
+        };
+        seq.admitted = order;
+        if seq.computed == 0 && seq.pages.is_empty() {
+            // At least the last token must be computed: its logits give the first output.
+            let max_pages = (seq.tokens.len() - 1) / ps;
+            let pages = cache.acquire(&seq.tokens, max_pages, alloc)?;
+            seq.computed = pages.len() * ps;
+            seq.cached_tokens = seq.computed;
+            self.stats.cached_tokens += seq.computed as u64;
+            seq.pages = pages;
+        }
+        Ok(())
+    }
+
+    /// The next prompt chunk of `id`, at most `budget` tokens, with its pages reserved.
+    fn chunk(
+        &mut self,
+        id: SeqId,
+        budget: usize,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+    ) -> Result<Option<PlanItem>, PoolError> {
+        let ps = self.cfg.page_size;
+        let Some(seq) = self.seqs.get(&id) else {
+            return Ok(None);
+        };
+        let remaining = seq.tokens.len() - seq.computed;
+        let mut len = remaining.min(budget);
+        let have = seq.pages.len();
+        let need = (seq.computed + len).div_ceil(ps).saturating_sub(have);
+        if need > 0 {
+            let free = alloc.free_pages();
+            if free < need {
+                cache.evict(need - free, alloc);
+            }
+            let free = alloc.free_pages();
+            if free < need {
+                // Take what fits: whole pages beyond those already held.
+                len = ((have + free) * ps).saturating_sub(seq.computed).min(len);
+            }
+            if len == 0 {
+                return Ok(None);
+            }
+            let need = (seq.computed + len).div_ceil(ps).saturating_sub(have);
+            let mut pages = alloc.alloc(need)?;
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.pages.append(&mut pages);
+            }
+        }
+        let Some(seq) = self.seqs.get(&id) else {
+            return Ok(None);
+        };
+        Ok(Some(PlanItem {
+            seq: id,
+            start: seq.computed,
+            len,
+            sample: seq.computed + len == seq.tokens.len(),
+        }))
+    }
+
+    /// `n` pages for `for_seq`, evicting the cache and then preempting newer sequences.
+    /// `None` if `for_seq` itself had to be preempted.
+    fn take_pages(
+        &mut self,
+        n: usize,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+        for_seq: Option<SeqId>,
+    ) -> Result<Option<Vec<PageId>>, PoolError> {
+        loop {
+            if alloc.free_pages() < n {
+                cache.evict(n - alloc.free_pages(), alloc);
+            }
+            if alloc.free_pages() >= n {
+                return alloc.alloc(n).map(Some);
+            }
+            let victim = self
+                .running
+                .iter()
+                .copied()
+                .max_by_key(|id| self.seqs.get(id).map_or(0, |s| s.admitted));
+            let Some(victim) = victim else {
+                return Err(PoolError::OutOfPages {
+                    wanted: n,
+                    free: alloc.free_pages(),
+                });
+            };
+            self.preempt(victim, alloc)?;
+            if Some(victim) == for_seq {
+                return Ok(None);
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: SeqId, alloc: &mut PageAllocator) -> Result<(), PoolError> {
+        self.running.retain(|s| *s != id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            alloc.release_all(&seq.pages)?;
+            seq.pages.clear();
+            seq.computed = 0;
+            self.stats.preemptions += 1;
+            tracing::debug!(
+                seq = id,
+                tokens = seq.tokens.len(),
+                "preempted; will recompute"
+            );
+        }
+        self.waiting.push_front(id);
+        Ok(())
+    }
+
+    /// The engine's view of a plan: token slices and page tables.
+    pub fn chunks<'a>(&'a self, plan: &'a Plan) -> Vec<SeqChunk<'a>> {
+        plan.items
+            .iter()
+            .filter_map(|it| {
+                let seq = self.seqs.get(&it.seq)?;
+                Some(SeqChunk {
+                    tokens: &seq.tokens[it.start..it.start + it.len],
+                    start_pos: it.start,
+                    pages: &seq.pages,
+                    want_logits: it.sample,
+                })
+            })
+            .collect()
+    }
+
+    /// Takes a step's logits (one entry per plan item), samples, and finishes sequences.
+    pub fn commit(
+        &mut self,
+        plan: &Plan,
+        logits: &[Option<Vec<f32>>],
+        tok: &Tokenizer,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+    ) -> Result<Vec<SeqEvent>, PoolError> {
+        let ps = self.cfg.page_size;
+        let mut events = Vec::new();
+        for (item, logits) in plan.items.iter().zip(logits) {
+            let Some(seq) = self.seqs.get_mut(&item.seq) else {
+                continue;
+            };
+            seq.computed += item.len;
+            let Some(logits) = logits.as_ref().filter(|_| item.sample) else {
+                continue;
+            };
+            if seq.generated == 0 {
+                // The prompt is computed: its full pages can serve later requests.
+                let full = seq.prompt_len / ps;
+                cache.insert(
+                    &seq.tokens[..full * ps],
+                    &seq.pages[..full.min(seq.pages.len())],
+                    alloc,
+                )?;
+            }
+            let params = seq.sampler.params().clone();
+            let eos = tok.eos.filter(|_| !params.ignore_eos);
+            let banned = eos.filter(|_| seq.generated < params.min_tokens);
+            let s = seq.sampler.sample(logits, banned);
+            seq.tokens.push(s.token);
+            seq.generated += 1;
+            let mut finish = None;
+            if Some(s.token) == eos {
+                finish = Some(FinishReason::Stop);
+            } else {
+                seq.text.push_str(&seq.decoder.push(tok, s.token));
+            }
+            let may_stop = seq.generated >= params.min_tokens;
+            let mut visible = seq.text.len();
+            if let Some(at) = find_stop(&seq.text, &params.stop).filter(|_| may_stop) {
+                visible = at;
+                finish = Some(FinishReason::Stop);
+            }
+            if finish.is_none()
+                && (seq.generated >= params.max_tokens || seq.tokens.len() >= self.cfg.max_context)
+            {
+                finish = Some(FinishReason::Length);
+            }
+            if finish.is_none() {
+                // Hold back what could still turn out to be the start of a stop string.
+                let hold = params
+                    .stop
+                    .iter()
+                    .map(|s| s.len().saturating_sub(1))
+                    .max()
+                    .unwrap_or(0);
+                visible = floor_char_boundary(&seq.text, seq.text.len().saturating_sub(hold));
+            } else if finish == Some(FinishReason::Length) {
+                seq.text.push_str(&seq.decoder.finish());
+                visible = seq.text.len();
+            }
+            let visible = visible.max(seq.emitted);
+            let text = seq.text[seq.emitted..visible].to_string();
+            seq.emitted = visible;
+            let cached_tokens = if seq.generated == 1 {
+                seq.cached_tokens
+            } else {
+                0
+            };
+            events.push(SeqEvent {
+                seq: item.seq,
+                token: s.token,
+                logprob: s.logprob,
+                text,
+                finish,
+                cached_tokens,
+            });
+            if finish.is_some() {
+                self.finish(item.seq, alloc)?;
+            }
+        }
+        Ok(events)
+    }
+
+    fn finish(&mut self, id: SeqId, alloc: &mut PageAllocator) -> Result<(), PoolError> {
+        self.running.retain(|s| *s != id);
+        if let Some(seq) = self.seqs.remove(&id) {
+            alloc.release_all(&seq.pages)?;
+        }
+        Ok(())
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while i > 0 && !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}

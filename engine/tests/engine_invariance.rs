@@ -1,0 +1,183 @@
+//! Batch invariance and paging on the tiny model: chunked prefill, page boundaries, batching
+//! and position in the batch never change a single bit of the logits.
+
+use duet_engine::gguf::Gguf;
+use duet_engine::{Engine, EngineOptions, Model, SeqChunk, tiny};
+use duet_gpu::KvDtype;
+
+fn engine(dtype: KvDtype, page_size: usize) -> Engine {
+    let model =
+        Model::from_gguf(Gguf::parse(tiny::tiny_model_bytes(7)).expect("gguf")).expect("model");
+    Engine::new(
+        model,
+        EngineOptions {
+            kv_dtype: dtype,
+            page_size,
+            kv_pages: 256,
+            threads: 2,
+            max_context: 512,
+        },
+    )
+    .expect("engine")
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 37 + salt * 11) % 250)
+        .collect()
+}
+
+/// Logits after each of `decode` greedy steps, with the prompt prefilled in `chunk`-sized pieces.
+fn run(e: &mut Engine, tokens: &[u32], chunk: usize, decode: usize) -> Vec<Vec<f32>> {
+    let pages = e
+        .pool
+        .alloc
+        .alloc(e.pool.layout().pages_for(tokens.len() + decode))
+        .expect("pages");
+    let mut last = None;
+    let mut pos = 0;
+    while pos < tokens.len() {
+        let end = (pos + chunk).min(tokens.len());
+        let out = e
+            .step(&[SeqChunk {
+                tokens: &tokens[pos..end],
+                start_pos: pos,
+                pages: &pages,
+                want_logits: end == tokens.len(),
+            }])
+            .expect("prefill");
+        last = out.into_iter().next().flatten();
+        pos = end;
+    }
+    let mut all = vec![last.expect("logits")];
+    for i in 0..decode {
+        let next = argmax(all.last().expect("logits"));
+        let out = e
+            .step(&[SeqChunk {
+                tokens: &[next],
+                start_pos: tokens.len() + i,
+                pages: &pages,
+                want_logits: true,
+            }])
+            .expect("decode");
+        all.push(out.into_iter().next().flatten().expect("logits"));
+    }
+    e.pool.alloc.release_all(&pages).expect("release");
+    all
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len())
+        .max_by(|a, b| v[*a].total_cmp(&v[*b]).then(b.cmp(a)))
+        .unwrap_or(0) as u32
+}
+
+#[test]
+fn chunked_prefill_and_page_boundaries_match_one_shot_bit_for_bit() {
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut e = engine(dtype, 4);
+        let p = prompt(45, 1);
+        let one_shot = run(&mut e, &p, p.len(), 12);
+        for chunk in [1, 3, 4, 7, 16, 44] {
+            assert_eq!(
+                run(&mut e, &p, chunk, 12),
+                one_shot,
+                "{dtype}: chunk {chunk}"
+            );
+        }
+    }
+}
+
+#[test]
+fn batched_decode_matches_each_sequence_alone() {
+    let mut e = engine(KvDtype::F16, 4);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(9 + 6 * i, i as u32)).collect();
+    let alone: Vec<Vec<Vec<f32>>> = prompts.iter().map(|p| run(&mut e, p, p.len(), 6)).collect();
+
+    // All five together: prefill in one step, then decode in one batch per step, with the
+    // batch order rotated every step so each sequence sits at every position.
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            e.pool
+                .alloc
+                .alloc(e.pool.layout().pages_for(p.len() + 6))
+                .expect("pages")
+        })
+        .collect();
+    let chunks: Vec<SeqChunk> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqChunk {
+            tokens: p,
+            start_pos: 0,
+            pages: t,
+            want_logits: true,
+        })
+        .collect();
+    let mut last: Vec<Vec<f32>> = e
+        .step(&chunks)
+        .expect("prefill")
+        .into_iter()
+        .map(|l| l.expect("logits"))
+        .collect();
+    for (i, l) in last.iter().enumerate() {
+        assert_eq!(*l, alone[i][0], "prefill of sequence {i} in a batch");
+    }
+    for step in 0..6 {
+        let next: Vec<[u32; 1]> = last.iter().map(|l| [argmax(l)]).collect();
+        let order: Vec<usize> = (0..5).map(|k| (k + step) % 5).collect();
+        let chunks: Vec<SeqChunk> = order
+            .iter()
+            .map(|&i| SeqChunk {
+                tokens: &next[i],
+                start_pos: prompts[i].len() + step,
+                pages: &tables[i],
+                want_logits: true,
+            })
+            .collect();
+        let out = e.step(&chunks).expect("decode");
+        for (k, &i) in order.iter().enumerate() {
+            last[i] = out[k].clone().expect("logits");
+            assert_eq!(
+                last[i],
+                alone[i][step + 1],
+                "sequence {i}, step {step}, batch position {k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let mut e = engine(KvDtype::F16, 4);
+    let pages = e.pool.alloc.alloc(1).expect("pages");
+    let vocab = e.model.config.vocab as u32;
+    let err = e.step(&[SeqChunk {
+        tokens: &[vocab],
+        start_pos: 0,
+        pages: &pages,
+        want_logits: true,
+    }]);
+    assert!(err.is_err());
+    let err = e.step(&[SeqChunk {
+        tokens: &[5; 5],
+        start_pos: 0,
+        pages: &pages,
+        want_logits: true,
+    }]);
+    assert!(matches!(
+        err,
+        Err(duet_engine::EngineError::PagesTooFew { .. })
+    ));
+    let err = e.step(&[SeqChunk {
+        tokens: &[5],
+        start_pos: 600,
+        pages: &pages,
+        want_logits: true,
+    }]);
+    assert!(matches!(
+        err,
+        Err(duet_engine::EngineError::ContextExceeded { .. })
+    ));
+}

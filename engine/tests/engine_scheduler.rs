@@ -1,0 +1,142 @@
+//! The colocated scheduler and the prefix cache on the tiny model.
+
+use duet_engine::gguf::Gguf;
+use duet_engine::sampling::FinishReason;
+use duet_engine::scheduler::SeqEvent;
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, tiny};
+use duet_gpu::KvDtype;
+
+fn runner(pages: usize, budget: usize) -> Runner {
+    let model =
+        Model::from_gguf(Gguf::parse(tiny::tiny_model_bytes(3)).expect("gguf")).expect("model");
+    let engine = Engine::new(
+        model,
+        EngineOptions {
+            kv_dtype: KvDtype::F16,
+            page_size: 4,
+            kv_pages: pages,
+            threads: 1,
+            max_context: 512,
+        },
+    )
+    .expect("engine");
+    Runner::new(engine, budget, 16)
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+fn tokens_of(events: &[SeqEvent], seq: u64) -> Vec<u32> {
+    events
+        .iter()
+        .filter(|e| e.seq == seq)
+        .map(|e| e.token)
+        .collect()
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 31 + salt * 7) % 250)
+        .collect()
+}
+
+#[test]
+fn prefix_cache_computes_only_the_suffix_and_gives_the_same_tokens() {
+    let shared = prompt(40, 1);
+    let mut second = shared.clone();
+    second.extend([9, 10, 11, 12, 13]);
+
+    // Without a cached prefix.
+    let mut cold = runner(128, 64);
+    cold.submit(2, second.clone(), greedy(8)).expect("submit");
+    let cold_events = cold.run_to_completion().expect("run");
+
+    let mut r = runner(128, 64);
+    r.submit(1, shared.clone(), greedy(8)).expect("submit");
+    r.run_to_completion().expect("first");
+    let before = r.engine.stats.tokens;
+    r.submit(2, second.clone(), greedy(8)).expect("submit");
+    let events = r.run_to_completion().expect("second");
+    let computed = r.engine.stats.tokens - before;
+    // 40 shared tokens = 10 full pages of 4, all cached: only the 5-token suffix is computed,
+    // plus the 7 decode steps after the first token.
+    assert_eq!(computed, 5 + 7, "tokens computed for the second request");
+    assert_eq!(events[0].cached_tokens, 40);
+    assert_eq!(tokens_of(&events, 2), tokens_of(&cold_events, 2));
+}
+
+#[test]
+fn small_page_budget_preempts_and_every_request_finishes() {
+    // 24 pages of 4 tokens for 8 requests of 20 + 24 tokens: they cannot all fit at once.
+    let mut r = runner(24, 32);
+    let mut solo = Vec::new();
+    for i in 0..8u64 {
+        let mut alone = runner(64, 32);
+        alone
+            .submit(i, prompt(20, i as u32), greedy(24))
+            .expect("submit");
+        solo.push(tokens_of(&alone.run_to_completion().expect("solo"), i));
+        r.submit(i, prompt(20, i as u32), greedy(24))
+            .expect("submit");
+    }
+    let events = r.run_to_completion().expect("run");
+    for i in 0..8u64 {
+        let finished: Vec<_> = events
+            .iter()
+            .filter(|e| e.seq == i && e.finish.is_some())
+            .collect();
+        assert_eq!(finished.len(), 1, "request {i} finished once");
+        assert_eq!(finished[0].finish, Some(FinishReason::Length));
+        // Preemption recomputes; greedy output is unchanged.
+        assert_eq!(tokens_of(&events, i), solo[i as usize], "request {i}");
+    }
+    assert!(
+        r.scheduler.stats.preemptions > 0,
+        "the budget forced preemption"
+    );
+    r.cache.clear(&mut r.engine.pool.alloc);
+    let stats = r.engine.pool.alloc.stats();
+    assert_eq!(stats.free, stats.capacity, "every page is back");
+}
+
+#[test]
+fn stop_conditions_and_aborts() {
+    let mut r = runner(64, 64);
+    // Greedy run to learn the text, then stop at a piece of it.
+    r.submit(1, prompt(10, 3), greedy(12)).expect("submit");
+    let events = r.run_to_completion().expect("run");
+    let text: String = events.iter().map(|e| e.text.as_str()).collect();
+    let cut = text.char_indices().nth(4).map_or(text.len(), |(i, _)| i);
+    let stop = text[cut..].chars().take(2).collect::<String>();
+    if !stop.is_empty() {
+        let params = SamplingParams {
+            stop: vec![stop.clone()],
+            ..greedy(12)
+        };
+        r.submit(2, prompt(10, 3), params).expect("submit");
+        let events = r.run_to_completion().expect("run");
+        let got: String = events.iter().map(|e| e.text.as_str()).collect();
+        assert_eq!(
+            events.last().and_then(|e| e.finish),
+            Some(FinishReason::Stop)
+        );
+        assert!(
+            !got.contains(&stop),
+            "the stop string is not returned: {got:?}"
+        );
+        assert!(text.starts_with(&got));
+    }
+    // An aborted request frees its pages at once.
+    r.submit(3, prompt(30, 5), greedy(50)).expect("submit");
+    r.step().expect("step");
+    assert!(r.abort(3).expect("abort"));
+    r.cache.clear(&mut r.engine.pool.alloc);
+    assert_eq!(r.engine.pool.alloc.stats().free, 64);
+    // A prompt that cannot fit the context is refused up front.
+    assert!(r.submit(4, prompt(500, 1), greedy(100)).is_err());
+}
