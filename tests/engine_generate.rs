@@ -1,0 +1,141 @@
+//! `duet generate` end to end: the tiny model, the real model against the reference, and
+//! named errors for bad model files.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::*;
+use duet_engine::fetch;
+
+fn real_model() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(fetch::MODEL_FILE);
+    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "duet generate failed: {}", out.stderr);
+    serde_json::from_str(out.stdout.trim()).expect("one JSON object")
+}
+
+#[tokio::test]
+async fn generates_with_the_tiny_model() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    let out = duet(&["tiny-model", "--out", path_str(&model)]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let args = [
+        "generate",
+        "--model",
+        path_str(&model),
+        "--prompt-ids",
+        "5,6,7,8",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ];
+    let a = json(&duet(&args).await);
+    assert_eq!(a["token_ids"].as_array().map(Vec::len), Some(6));
+    assert_eq!(a["finish_reason"], "length");
+    // Greedy is deterministic across runs.
+    assert_eq!(json(&duet(&args).await)["token_ids"], a["token_ids"]);
+}
+
+#[tokio::test]
+async fn real_model_greedy_matches_the_reference() {
+    let model = real_model();
+    let out = duet(&[
+        "generate",
+        "--model",
+        path_str(&model),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--kv-dtype",
+        "f32",
+        "--json",
+    ])
+    .await;
+    let v = json(&out);
+    let ids: Vec<u64> = v["token_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .filter_map(|x| x.as_u64())
+        .collect();
+    // The reference's first 8 greedy tokens: " Paris.\n\nThe answer is:".
+    assert_eq!(ids, [7042, 30, 198, 198, 504, 2988, 314, 42]);
+    assert_eq!(v["text"], " Paris.\n\nThe answer is:");
+    assert_eq!(
+        v["prompt_ids"],
+        serde_json::json!([504, 3575, 282, 4649, 314])
+    );
+
+    // The chat template path ends at EOS with the reference's answer.
+    let out = duet(&[
+        "generate",
+        "--model",
+        path_str(&model),
+        "--chat",
+        "What is 2+2?",
+        "--max-tokens",
+        "32",
+        "--json",
+    ])
+    .await;
+    let v = json(&out);
+    assert_eq!(v["text"], "The answer to this classic math problem is 4.");
+    assert_eq!(v["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn bad_model_files_are_named_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = dir.path().join("tiny.gguf");
+    assert!(
+        duet(&["tiny-model", "--out", path_str(&tiny)])
+            .await
+            .status
+            .success()
+    );
+    let bytes = std::fs::read(&tiny).expect("read");
+
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "wrong magic",
+            [b"GGUX".as_slice(), &bytes[4..]].concat(),
+            "not a GGUF file",
+        ),
+        (
+            "truncated",
+            bytes[..bytes.len() / 2].to_vec(),
+            "the file is truncated",
+        ),
+        (
+            "empty",
+            Vec::new(),
+            "the file is truncated: it ends inside the header",
+        ),
+    ];
+    for (what, content, expect) in cases {
+        let path = dir.path().join(format!("{}.gguf", what.replace(' ', "_")));
+        std::fs::write(&path, content).expect("write");
+        let out = duet(&["generate", "--model", path_str(&path), "--prompt", "hi"]).await;
+        assert!(!out.status.success(), "{what}: accepted");
+        assert!(out.stderr.contains(expect), "{what}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{what}: {}", out.stderr);
+    }
+    let out = duet(&[
+        "generate",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--prompt",
+        "hi",
+    ])
+    .await;
+    assert!(out.stderr.contains("cannot read"), "{}", out.stderr);
+}
