@@ -30,8 +30,28 @@ fn main() {
         kernels(&path);
         return;
     }
+    let as_json = args.iter().any(|a| a == "--json");
+    if args.iter().any(|a| a == "--decode-profile") {
+        let model = Model::open(&path).expect("model");
+        let prompt = model.tokenizer.encode(&"The quick brown fox. ".repeat(20));
+        let mut e = Engine::new(
+            model,
+            EngineOptions {
+                kv_pages: 64,
+                threads: 1,
+                ..EngineOptions::default()
+            },
+        )
+        .expect("engine");
+        println!(
+            "decode b1: {:.1} tok/s",
+            decode(&mut e, &prompt, 1, 32, 300)
+        );
+        return;
+    }
     for threads in threads_list {
         let model = Model::open(&path).expect("model");
+        let gguf_mb = model.file_bytes as f64 / 1e6;
         let prompt: Vec<u32> = model
             .tokenizer
             .encode(&"The quick brown fox jumps over the lazy dog. ".repeat(60))
@@ -48,9 +68,11 @@ fn main() {
             },
         )
         .expect("engine");
-        // Prefill: whole prompt in one step.
-        let pages = e.pool.alloc.alloc(33).expect("pages");
+        let kv_pool_mb = (e.pool.capacity() * e.pool.layout().page_bytes()) as f64 / 1e6;
+        let rss_after_load_mb = rss_mb();
         let runs = if quick { 1 } else { 3 };
+        // Prefill: the whole prompt in one step.
+        let pages = e.pool.alloc.alloc(33).expect("pages");
         let mut best = f64::MAX;
         for _ in 0..runs {
             let start = Instant::now();
@@ -63,54 +85,90 @@ fn main() {
             .expect("prefill");
             best = best.min(start.elapsed().as_secs_f64());
         }
-        println!(
-            "threads {threads}: prefill {} tokens      {:>8.1} tok/s",
-            prompt.len(),
-            prompt.len() as f64 / best
-        );
+        let prefill_tok_s = prompt.len() as f64 / best;
         e.pool.alloc.release_all(&pages).expect("release");
-        for batch in [1usize, 8, 32] {
-            // Each sequence starts from a 32-token context, then decodes `steps` tokens.
-            let steps = if quick { 8 } else { 32 };
-            let seqs: Vec<Vec<u32>> = (0..batch)
-                .map(|_| e.pool.alloc.alloc(5).expect("pages"))
-                .collect();
-            let ctx = &prompt[..32];
-            let chunks: Vec<SeqChunk> = seqs
-                .iter()
-                .map(|p| SeqChunk {
-                    tokens: ctx,
-                    start_pos: 0,
-                    pages: p,
-                    want_logits: false,
-                })
-                .collect();
-            e.step(&chunks).expect("context");
-            let token = [prompt[40]];
-            let start = Instant::now();
-            for s in 0..steps {
-                let chunks: Vec<SeqChunk> = seqs
-                    .iter()
-                    .map(|p| SeqChunk {
-                        tokens: &token,
-                        start_pos: 32 + s,
-                        pages: p,
-                        want_logits: true,
-                    })
-                    .collect();
-                e.step(&chunks).expect("decode");
-            }
-            let secs = start.elapsed().as_secs_f64();
+        let steps = if quick { 8 } else { 64 };
+        let decode_b1_after_512_tok_s = decode(&mut e, &prompt, 1, 448, steps);
+        let decode_b1_tok_s = (0..runs)
+            .map(|_| decode(&mut e, &prompt, 1, 32, steps))
+            .fold(0.0, f64::max);
+        let decode_b8_tok_s = decode(&mut e, &prompt, 8, 32, steps / 2);
+        let decode_b32_tok_s = decode(&mut e, &prompt, 32, 32, steps / 4);
+        if as_json {
             println!(
-                "threads {threads}: decode batch {batch:>2}          {:>8.1} tok/s  ({:.2} ms/step)",
-                (batch * steps) as f64 / secs,
-                secs * 1e3 / steps as f64
+                "{{\"engine\": \"duet\", \"threads\": {threads}, \"prefill_tok_s\": {prefill_tok_s:.2}, \"decode_b1_tok_s\": {decode_b1_tok_s:.2}, \"decode_b1_after_512_tok_s\": {decode_b1_after_512_tok_s:.2}, \"decode_b8_tok_s\": {decode_b8_tok_s:.2}, \"decode_b32_tok_s\": {decode_b32_tok_s:.2}, \"rss_after_load_mb\": {rss_after_load_mb:.1}, \"gguf_mb\": {gguf_mb:.1}, \"kv_pool_mb\": {kv_pool_mb:.1}}}"
             );
-            for p in seqs {
-                e.pool.alloc.release_all(&p).expect("release");
-            }
+        } else {
+            println!(
+                "threads {threads}: prefill {} tokens          {prefill_tok_s:>8.1} tok/s",
+                prompt.len()
+            );
+            println!(
+                "threads {threads}: decode batch  1 (ctx 32)     {decode_b1_tok_s:>8.1} tok/s"
+            );
+            println!(
+                "threads {threads}: decode batch  1 (ctx 480)    {decode_b1_after_512_tok_s:>8.1} tok/s"
+            );
+            println!(
+                "threads {threads}: decode batch  8              {decode_b8_tok_s:>8.1} tok/s"
+            );
+            println!(
+                "threads {threads}: decode batch 32              {decode_b32_tok_s:>8.1} tok/s"
+            );
+            println!(
+                "threads {threads}: resident after load {rss_after_load_mb:.0} MB (GGUF {gguf_mb:.0} MB, KV pool {kv_pool_mb:.0} MB)"
+            );
         }
     }
+}
+
+/// Decode tokens per second for `batch` sequences that each start from `ctx` prompt tokens.
+fn decode(e: &mut Engine, prompt: &[u32], batch: usize, ctx: usize, steps: usize) -> f64 {
+    let pages_each = e.pool.layout().pages_for(ctx + steps);
+    let seqs: Vec<Vec<u32>> = (0..batch)
+        .map(|_| e.pool.alloc.alloc(pages_each).expect("pages"))
+        .collect();
+    let chunks: Vec<SeqChunk> = seqs
+        .iter()
+        .map(|p| SeqChunk {
+            tokens: &prompt[..ctx],
+            start_pos: 0,
+            pages: p,
+            want_logits: false,
+        })
+        .collect();
+    e.step(&chunks).expect("context");
+    let token = [prompt[40]];
+    let start = Instant::now();
+    for s in 0..steps {
+        let chunks: Vec<SeqChunk> = seqs
+            .iter()
+            .map(|p| SeqChunk {
+                tokens: &token,
+                start_pos: ctx + s,
+                pages: p,
+                want_logits: true,
+            })
+            .collect();
+        e.step(&chunks).expect("decode");
+    }
+    let rate = (batch * steps) as f64 / start.elapsed().as_secs_f64();
+    for p in seqs {
+        e.pool.alloc.release_all(&p).expect("release");
+    }
+    rate
+}
+
+/// Resident set size of this process, in MB.
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1e3)
 }
 
 /// Times one matrix product of each shape of the model at 1 token and 32 tokens.
