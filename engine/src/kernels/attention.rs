@@ -41,6 +41,37 @@ pub fn attend(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512
+        && shape.head_dim.is_multiple_of(16)
+        && shape.head_dim <= 256
+        && shape.n_heads / shape.n_kv_heads <= 64
+    {
+        let layout = pool.layout();
+        let (ps, kv_dim) = (layout.page_size, layout.kv_dim());
+        let (h, g, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        match pool.block(pages[0], layer, false) {
+            BlockView::F16(_) => {
+                let blocks = |i: usize, v: bool| match pool.block(pages[i], layer, v) {
+                    BlockView::F16(b) => b.as_ptr(),
+                    BlockView::F32(_) => std::ptr::null(),
+                };
+                // SAFETY: head_dim is a multiple of 16 and at most 256, the group at most 64,
+                // the page table covers `pos` (checked by the engine), every block of this pool
+                // is f16 and `page_size * kv_dim` long; `isa()` detected AVX-512F and F16C.
+                unsafe { super::avx512::attend(&blocks, ps, kv_dim, h, g, d, q, pos, &mut scratch.scores, out) };
+            }
+            BlockView::F32(_) => {
+                let blocks = |i: usize, v: bool| match pool.block(pages[i], layer, v) {
+                    BlockView::F32(b) => b.as_ptr(),
+                    BlockView::F16(_) => std::ptr::null(),
+                };
+                // SAFETY: as above, for an f32 pool.
+                unsafe { super::avx512::attend(&blocks, ps, kv_dim, h, g, d, q, pos, &mut scratch.scores, out) };
+            }
+        }
+        return;
+    }
     crate::dispatch!(attend_kernel(
         pool, layer, shape, q, pos, pages, out, scratch
     ))
@@ -232,6 +263,9 @@ mod tests {
             let mut out = vec![0f32; 6 * 32];
             attend(&pool, 1, shape, &q, pos, &pages, &mut out, &mut scratch);
             let expect = naive(&q, &ks[..=pos], &vs[..=pos], shape);
+            let mut generic = vec![0f32; 6 * 32];
+            attend_kernel(&pool, 1, shape, &q, pos, &pages, &mut generic, &mut scratch);
+            assert_eq!(generic, out, "the portable kernel gives the same bits");
             for (a, b) in out.iter().zip(&expect) {
                 assert!((a - b).abs() < 1e-5, "pos {pos}: {a} vs {b}");
             }

@@ -8,6 +8,12 @@
 
 use std::arch::x86_64::*;
 
+/// Tokens per register tile in the many-token kernel: 4 rows x 5 tokens keeps the 20
+/// accumulators, 4 weight vectors and the token vector in the 32 registers (4 x 6 spilled).
+const TOKENS_MANY: usize = 5;
+/// How far ahead, in blocks, the few-token kernel prefetches each row.
+const PREFETCH_BLOCKS: usize = 8;
+
 /// Reads a little-endian f16 at `p` as f32 (F16C).
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {
@@ -145,6 +151,9 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
         for b in 0..blocks {
             let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
             for i in 0..R {
+                // Weights stream from memory once per token at decode: ask for them early.
+                // A prefetch past the end of the matrix is harmless (it never faults).
+                _mm_prefetch::<_MM_HINT_T0>(rows[i].add((b + PREFETCH_BLOCKS) * B::BYTES).cast());
                 w[i] = B::load(rows[i].add(b * B::BYTES));
             }
             for j in 0..T {
@@ -164,43 +173,66 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     }
 }
 
-/// A tile over f32 weights already dequantized into `wbuf` (`R` rows of `cols`): the same
+/// A tile over f32 weights already dequantized into `wbuf` (4 rows of `cols`): the same
 /// accumulation sequence as [`tile`] (16-lane chunks in increasing `k`), so the bits match.
+/// Rows beyond `rows` are computed on row 0's weights and not written.
 ///
 /// # Safety
-/// `wbuf` holds `R * cols` f32, each `xs[j]` `cols` f32, `out` every written index; AVX-512F.
+/// `wbuf` holds `4 * cols` f32, each `xs[j]` `cols` f32, `out` every written index; AVX-512F.
 #[inline(always)]
-unsafe fn tile_f32<const R: usize, const T: usize>(
+unsafe fn tile_f32<const T: usize>(
     wbuf: *const f32,
     cols: usize,
-    xs: [*const f32; T],
+    rows: usize,
+    xs: [*const f32; TOKENS_MANY],
     out: *mut f32,
     out_stride: usize,
 ) {
     // SAFETY: per the function contract.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let w0 = wbuf;
+        let w1 = wbuf.add(if rows > 1 { cols } else { 0 });
+        let w2 = wbuf.add(if rows > 2 { 2 * cols } else { 0 });
+        let w3 = wbuf.add(if rows > 3 { 3 * cols } else { 0 });
+        // Sized for the largest tile; entries past `T` are never touched.
+        let mut a0 = [_mm512_setzero_ps(); TOKENS_MANY];
+        let mut a1 = [_mm512_setzero_ps(); TOKENS_MANY];
+        let mut a2 = [_mm512_setzero_ps(); TOKENS_MANY];
+        let mut a3 = [_mm512_setzero_ps(); TOKENS_MANY];
         let mut k = 0;
         while k < cols {
-            let w: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(wbuf.add(i * cols + k)));
-            for j in 0..T {
-                let x = _mm512_loadu_ps(xs[j].add(k));
-                for i in 0..R {
-                    acc[i][j] = _mm512_fmadd_ps(w[i], x, acc[i][j]);
-                }
+            let (v0, v1) = (_mm512_loadu_ps(w0.add(k)), _mm512_loadu_ps(w1.add(k)));
+            let (v2, v3) = (_mm512_loadu_ps(w2.add(k)), _mm512_loadu_ps(w3.add(k)));
+            // Spelled out per token: with constant indices the accumulators stay in registers
+            // (a loop over `j` left them on the stack).
+            macro_rules! token {
+                ($j:literal) => {
+                    if $j < T {
+                        let x = _mm512_loadu_ps(xs[$j].add(k));
+                        a0[$j] = _mm512_fmadd_ps(v0, x, a0[$j]);
+                        a1[$j] = _mm512_fmadd_ps(v1, x, a1[$j]);
+                        a2[$j] = _mm512_fmadd_ps(v2, x, a2[$j]);
+                        a3[$j] = _mm512_fmadd_ps(v3, x, a3[$j]);
+                    }
+                };
             }
+            token!(0);
+            token!(1);
+            token!(2);
+            token!(3);
+            token!(4);
             k += 16;
         }
-        for i in 0..R {
+        for (i, acc) in [a0, a1, a2, a3].iter().enumerate().take(rows) {
             for j in 0..T {
-                *out.add(j * out_stride + i) = hsum(acc[i][j]);
+                *out.add(j * out_stride + i) = hsum(acc[j]);
             }
         }
     }
 }
 
 /// Like [`rows`], for many tokens: each tile of 4 rows is dequantized once into an L1-sized
-/// f32 buffer and then swept over the tokens six at a time. Same bits as [`rows`].
+/// f32 buffer and then swept over the tokens [`TOKENS_MANY`] at a time. Same bits as [`rows`].
 ///
 /// # Safety
 /// As for [`rows`].
@@ -236,44 +268,15 @@ pub unsafe fn rows_many<B: Block>(
             }
             let mut t = 0;
             while t < tokens {
-                let group = (tokens - t).min(6);
+                let group = (tokens - t).min(TOKENS_MANY);
                 let o = ob.add(t * out_stride + r);
-                macro_rules! go {
-                    ($R:literal, $T:literal) => {
-                        tile_f32::<$R, $T>(
-                            wp,
-                            cols,
-                            std::array::from_fn(|j| tok(t + j)),
-                            o,
-                            out_stride,
-                        )
-                    };
-                }
-                match (tile_rows, group) {
-                    (4, 6) => go!(4, 6),
-                    (4, 5) => go!(4, 5),
-                    (4, 4) => go!(4, 4),
-                    (4, 3) => go!(4, 3),
-                    (4, 2) => go!(4, 2),
-                    (4, 1) => go!(4, 1),
-                    (3, 6) => go!(3, 6),
-                    (3, 5) => go!(3, 5),
-                    (3, 4) => go!(3, 4),
-                    (3, 3) => go!(3, 3),
-                    (3, 2) => go!(3, 2),
-                    (3, 1) => go!(3, 1),
-                    (2, 6) => go!(2, 6),
-                    (2, 5) => go!(2, 5),
-                    (2, 4) => go!(2, 4),
-                    (2, 3) => go!(2, 3),
-                    (2, 2) => go!(2, 2),
-                    (2, 1) => go!(2, 1),
-                    (1, 6) => go!(1, 6),
-                    (1, 5) => go!(1, 5),
-                    (1, 4) => go!(1, 4),
-                    (1, 3) => go!(1, 3),
-                    (1, 2) => go!(1, 2),
-                    _ => go!(1, 1),
+                let xs = std::array::from_fn(|j: usize| tok(t + j.min(group - 1)));
+                match group {
+                    5 => tile_f32::<5>(wp, cols, tile_rows, xs, o, out_stride),
+                    4 => tile_f32::<4>(wp, cols, tile_rows, xs, o, out_stride),
+                    3 => tile_f32::<3>(wp, cols, tile_rows, xs, o, out_stride),
+                    2 => tile_f32::<2>(wp, cols, tile_rows, xs, o, out_stride),
+                    _ => tile_f32::<1>(wp, cols, tile_rows, xs, o, out_stride),
                 }
                 t += group;
             }
@@ -349,6 +352,122 @@ pub unsafe fn rows<B: Block>(
                 t += group;
             }
             r += tile_rows;
+        }
+    }
+}
+
+/// Where one KV head of one token lives: a pointer to `head_dim` elements.
+pub trait KvElem: Copy {
+    /// Loads 16 elements as f32.
+    ///
+    /// # Safety
+    /// `p` points at 16 readable elements; AVX-512F and F16C are available.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+}
+
+/// Attention of one token (all query heads) over positions `0..=pos`, the same operations in
+/// the same order as `attention::attend_kernel` (dots as 16-lane FMAs then the fixed tree,
+/// softmax in position order, V accumulated by fused multiply-adds in position order).
+///
+/// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
+///
+/// # Safety
+/// `head_dim` is a multiple of 16 and at most 256; every block holds `page_size * kv_dim`
+/// elements; `q` and `out` hold `n_heads * head_dim`; AVX-512F and F16C are available.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend<E: KvElem>(
+    blocks: &dyn Fn(usize, bool) -> *const E,
+    page_size: usize,
+    kv_dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    q: &[f32],
+    pos: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let group = n_heads / n_kv_heads;
+    let len = pos + 1;
+    let chunks = head_dim / 16;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    scores.resize(group * len, 0.0);
+    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
+    unsafe {
+        for g in 0..n_kv_heads {
+            for hi in 0..group {
+                let h = g * group + hi;
+                let qh: [__m512; 16] = std::array::from_fn(|c| {
+                    if c < chunks {
+                        _mm512_loadu_ps(q.as_ptr().add(h * head_dim + c * 16))
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                let mut j = 0;
+                while j < len {
+                    let page = j / page_size;
+                    let kb = blocks(page, false);
+                    let end = len.min((page + 1) * page_size);
+                    while j < end {
+                        let k = kb.add((j % page_size) * kv_dim + g * head_dim);
+                        let mut acc = _mm512_setzero_ps();
+                        for c in 0..chunks {
+                            acc = _mm512_fmadd_ps(qh[c], E::load16(k.add(c * 16)), acc);
+                        }
+                        *scores.get_unchecked_mut(hi * len + j) = hsum(acc) * scale;
+                        j += 1;
+                    }
+                }
+            }
+            let mut sums = [0f32; 64];
+            for hi in 0..group {
+                let s = &mut scores[hi * len..(hi + 1) * len];
+                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                for v in s.iter_mut() {
+                    *v = (*v - max).exp();
+                    sums[hi] += *v;
+                }
+            }
+            for hi in 0..group {
+                let h = g * group + hi;
+                let mut o: [__m512; 16] = [_mm512_setzero_ps(); 16];
+                let mut j = 0;
+                while j < len {
+                    let page = j / page_size;
+                    let vb = blocks(page, true);
+                    let end = len.min((page + 1) * page_size);
+                    while j < end {
+                        let v = vb.add((j % page_size) * kv_dim + g * head_dim);
+                        let p = _mm512_set1_ps(*scores.get_unchecked(hi * len + j));
+                        for c in 0..chunks {
+                            o[c] = _mm512_fmadd_ps(p, E::load16(v.add(c * 16)), o[c]);
+                        }
+                        j += 1;
+                    }
+                }
+                let inv = _mm512_set1_ps(1.0 / sums[hi]);
+                for c in 0..chunks {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(h * head_dim + c * 16), _mm512_mul_ps(o[c], inv));
+                }
+            }
         }
     }
 }

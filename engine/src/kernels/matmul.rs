@@ -193,26 +193,27 @@ pub fn matmul(w: QRef<'_>, x: &[f32], tokens: usize, out: &mut [f32], threads: u
             .for_each(|(o, xs)| rows_strided(w, xs, xs.len() / w.cols, 0, w.rows, o, w.rows));
         return;
     }
-    // Few tokens: split the rows; each part writes its columns into its own buffer.
+    // Few tokens: split the rows; each part writes its rows into its own slice of a scratch
+    // buffer (part-major), then the parts are copied into place.
     let parts = threads.min(w.rows.div_ceil(ROWS));
     let per = w.rows.div_ceil(parts).div_ceil(ROWS) * ROWS;
-    let results: Vec<(usize, usize, Vec<f32>)> = (0..parts)
-        .into_par_iter()
-        .filter_map(|p| {
+    let mut scratch = vec![0f32; parts * per * tokens];
+    scratch
+        .par_chunks_mut(per * tokens)
+        .enumerate()
+        .for_each(|(p, part)| {
             let first = p * per;
             let n = per.min(w.rows.saturating_sub(first));
-            if n == 0 {
-                return None;
+            if n > 0 {
+                rows_strided(w, x, tokens, first, n, part, n);
             }
-            let mut part = vec![0f32; tokens * n];
-            rows_strided(w, x, tokens, first, n, &mut part, n);
-            Some((first, n, part))
-        })
-        .collect();
-    for (first, n, part) in results {
+        });
+    for p in 0..parts {
+        let first = p * per;
+        let n = per.min(w.rows.saturating_sub(first));
+        let part = &scratch[p * per * tokens..];
         for t in 0..tokens {
-            out[t * w.rows + first..t * w.rows + first + n]
-                .copy_from_slice(&part[t * n..(t + 1) * n]);
+            out[t * w.rows + first..t * w.rows + first + n].copy_from_slice(&part[t * n..(t + 1) * n]);
         }
     }
 }
