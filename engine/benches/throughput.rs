@@ -38,7 +38,10 @@ fn main() {
             model,
             EngineOptions {
                 kv_pages: 64,
-                threads: std::env::var("THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(1),
+                threads: std::env::var("THREADS")
+                    .ok()
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(1),
                 ..EngineOptions::default()
             },
         )

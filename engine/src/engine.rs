@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::kernels::attention::{AttnScratch, AttnShape, attend};
 use crate::kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
-use crate::kernels::{QRef, matmul};
+use crate::kernels::{QRef, matmul, matmul_group};
 use crate::model::Model;
 
 /// How an engine is set up.
@@ -268,9 +268,13 @@ fn forward(
 
     for (li, layer) in model.layers.iter().enumerate() {
         rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-        mm(model.w(&layer.wq), &h, &mut q);
-        mm(model.w(&layer.wk), &h, &mut k);
-        mm(model.w(&layer.wv), &h, &mut v);
+        matmul_group(
+            &[model.w(&layer.wq), model.w(&layer.wk), model.w(&layer.wv)],
+            &h,
+            t,
+            &mut [&mut q, &mut k, &mut v],
+            threads,
+        );
         for (i, tr) in toks.iter().enumerate() {
             rope.apply(&mut q[i * c.dim..(i + 1) * c.dim], c.head_dim, tr.pos);
             rope.apply(&mut k[i * kv_dim..(i + 1) * kv_dim], c.head_dim, tr.pos);
@@ -303,8 +307,13 @@ fn forward(
         add_assign(&mut x, &o);
 
         rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-        mm(model.w(&layer.w_gate), &h, &mut gate);
-        mm(model.w(&layer.w_up), &h, &mut up);
+        matmul_group(
+            &[model.w(&layer.w_gate), model.w(&layer.w_up)],
+            &h,
+            t,
+            &mut [&mut gate, &mut up],
+            threads,
+        );
         silu_mul(&mut gate, &up);
         mm(model.w(&layer.w_down), &gate, &mut o);
         add_assign(&mut x, &o);

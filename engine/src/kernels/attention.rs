@@ -59,7 +59,20 @@ pub fn attend(
                 // SAFETY: head_dim is a multiple of 16 and at most 256, the group at most 64,
                 // the page table covers `pos` (checked by the engine), every block of this pool
                 // is f16 and `page_size * kv_dim` long; `isa()` detected AVX-512F and F16C.
-                unsafe { super::avx512::attend(&blocks, ps, kv_dim, h, g, d, q, pos, &mut scratch.scores, out) };
+                unsafe {
+                    super::avx512::attend(
+                        &blocks,
+                        ps,
+                        kv_dim,
+                        h,
+                        g,
+                        d,
+                        q,
+                        pos,
+                        &mut scratch.scores,
+                        out,
+                    )
+                };
             }
             BlockView::F32(_) => {
                 let blocks = |i: usize, v: bool| match pool.block(pages[i], layer, v) {
@@ -67,7 +80,20 @@ pub fn attend(
                     BlockView::F16(_) => std::ptr::null(),
                 };
                 // SAFETY: as above, for an f32 pool.
-                unsafe { super::avx512::attend(&blocks, ps, kv_dim, h, g, d, q, pos, &mut scratch.scores, out) };
+                unsafe {
+                    super::avx512::attend(
+                        &blocks,
+                        ps,
+                        kv_dim,
+                        h,
+                        g,
+                        d,
+                        q,
+                        pos,
+                        &mut scratch.scores,
+                        out,
+                    )
+                };
             }
         }
         return;

@@ -11,8 +11,6 @@ use std::arch::x86_64::*;
 /// Tokens per register tile in the many-token kernel: 4 rows x 5 tokens keeps the 20
 /// accumulators, 4 weight vectors and the token vector in the 32 registers (4 x 6 spilled).
 const TOKENS_MANY: usize = 5;
-/// How far ahead, in blocks, the few-token kernel prefetches each row.
-const PREFETCH_BLOCKS: usize = 8;
 
 /// Reads a little-endian f16 at `p` as f32 (F16C).
 #[inline(always)]
@@ -142,6 +140,7 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     rows: [*const u8; R],
     xs: [*const f32; T],
     blocks: usize,
+    ahead: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
@@ -151,9 +150,10 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
         for b in 0..blocks {
             let mut w = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
             for i in 0..R {
-                // Weights stream from memory once per token at decode: ask for them early.
-                // A prefetch past the end of the matrix is harmless (it never faults).
-                _mm_prefetch::<_MM_HINT_T0>(rows[i].add((b + PREFETCH_BLOCKS) * B::BYTES).cast());
+                // Weights stream from memory once per token at decode: fetch the same block
+                // of the next tile's rows while this tile computes. A prefetch past the end of
+                // the matrix is harmless (it never faults).
+                _mm_prefetch::<_MM_HINT_T0>(rows[i].wrapping_add(ahead + b * B::BYTES).cast());
                 w[i] = B::load(rows[i].add(b * B::BYTES));
             }
             for j in 0..T {
@@ -326,6 +326,7 @@ pub unsafe fn rows<B: Block>(
                             std::array::from_fn(|i| row(r + i)),
                             std::array::from_fn(|j| tok(t + j)),
                             blocks,
+                            8 * rb,
                             o,
                             out_stride,
                         )
@@ -465,7 +466,10 @@ pub unsafe fn attend<E: KvElem>(
                 }
                 let inv = _mm512_set1_ps(1.0 / sums[hi]);
                 for c in 0..chunks {
-                    _mm512_storeu_ps(out.as_mut_ptr().add(h * head_dim + c * 16), _mm512_mul_ps(o[c], inv));
+                    _mm512_storeu_ps(
+                        out.as_mut_ptr().add(h * head_dim + c * 16),
+                        _mm512_mul_ps(o[c], inv),
+                    );
                 }
             }
         }

@@ -213,7 +213,84 @@ pub fn matmul(w: QRef<'_>, x: &[f32], tokens: usize, out: &mut [f32], threads: u
         let n = per.min(w.rows.saturating_sub(first));
         let part = &scratch[p * per * tokens..];
         for t in 0..tokens {
-            out[t * w.rows + first..t * w.rows + first + n].copy_from_slice(&part[t * n..(t + 1) * n]);
+            out[t * w.rows + first..t * w.rows + first + n]
+                .copy_from_slice(&part[t * n..(t + 1) * n]);
+        }
+    }
+}
+
+/// Several products of the same input (`outs[i] = x · ws[i]ᵀ`) in one parallel region, so
+/// threads are woken once for the Q, K and V projections (or gate and up), not once per
+/// matrix. Same bits as [`matmul`] on each.
+pub fn matmul_group(
+    ws: &[QRef<'_>],
+    x: &[f32],
+    tokens: usize,
+    outs: &mut [&mut [f32]],
+    threads: usize,
+) {
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(x.len(), tokens * w.cols, "matmul input shape");
+        assert_eq!(out.len(), tokens * w.rows, "matmul output shape");
+    }
+    if tokens == 0 {
+        return;
+    }
+    if threads <= 1 {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            rows_strided(*w, x, tokens, 0, w.rows, out, w.rows);
+        }
+        return;
+    }
+    let cols = ws[0].cols;
+    if tokens >= threads * 8 {
+        // Split by tokens: each thread computes every matrix for its tokens.
+        let per = tokens.div_ceil(threads);
+        let mut parts: Vec<(&[f32], Vec<&mut [f32]>)> =
+            x.chunks(per * cols).map(|xs| (xs, Vec::new())).collect();
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            for (part, chunk) in parts.iter_mut().zip(out.chunks_mut(per * w.rows)) {
+                part.1.push(chunk);
+            }
+        }
+        parts.into_par_iter().for_each(|(xs, mut outs)| {
+            let n = xs.len() / cols;
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                rows_strided(*w, xs, n, 0, w.rows, out, w.rows);
+            }
+        });
+        return;
+    }
+    // Split every matrix's rows between the threads; one scratch slice per (thread, matrix).
+    let per: Vec<usize> = ws
+        .iter()
+        .map(|w| w.rows.div_ceil(threads).div_ceil(ROWS) * ROWS)
+        .collect();
+    let mut scratch: Vec<Vec<f32>> = (0..threads)
+        .map(|_| vec![0f32; per.iter().sum::<usize>() * tokens])
+        .collect();
+    scratch.par_iter_mut().enumerate().for_each(|(p, buf)| {
+        let mut at = 0;
+        for (w, &per) in ws.iter().zip(&per) {
+            let first = p * per;
+            let n = per.min(w.rows.saturating_sub(first));
+            if n > 0 {
+                rows_strided(*w, x, tokens, first, n, &mut buf[at..at + n * tokens], n);
+            }
+            at += per * tokens;
+        }
+    });
+    for (p, buf) in scratch.iter().enumerate() {
+        let mut at = 0;
+        for ((w, &per), out) in ws.iter().zip(&per).zip(outs.iter_mut()) {
+            let first = p * per;
+            let n = per.min(w.rows.saturating_sub(first));
+            for t in 0..tokens {
+                out[t * w.rows + first..t * w.rows + first + n]
+                    .copy_from_slice(&buf[at + t * n..at + (t + 1) * n]);
+            }
+            at += per * tokens;
         }
     }
 }
@@ -439,6 +516,20 @@ mod tests {
             matmul(w, &many, 40, &mut b, threads);
             assert_eq!(a, b);
             assert_eq!(a, singles);
+            // Grouped with another matrix: same bits, by token split and by row split.
+            for n in [2, 40] {
+                let mut g1 = vec![0f32; n * rows];
+                let mut g2 = vec![0f32; n * rows];
+                matmul_group(
+                    &[w, w],
+                    &many[..n * cols],
+                    n,
+                    &mut [&mut g1, &mut g2],
+                    threads,
+                );
+                assert_eq!(g1, a[..n * rows]);
+                assert_eq!(g2, a[..n * rows]);
+            }
         }
     }
 }

@@ -26,7 +26,7 @@ mod avx512;
 mod matmul;
 pub mod ops;
 
-pub use matmul::{Format, QRef, matmul, repack, rows_strided};
+pub use matmul::{Format, QRef, matmul, matmul_group, repack, rows_strided};
 
 /// Partial sums per dot product.
 pub const LANES: usize = 16;
