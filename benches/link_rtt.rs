@@ -7,7 +7,6 @@
 //! is the same size of payload echoed over one quinn bidirectional stream by a bare task,
 //! with the same TLS and transport settings. Run: `cargo bench --bench link_rtt`.
 
-use std::net::UdpSocket;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,19 +21,6 @@ const BATCHES: usize = 20;
 const BATCH: usize = 1_000;
 const ONE_WAY: usize = 100_000;
 const PAYLOAD: usize = 32;
-
-/// Two distinct ports free for UDP and TCP (sockets held until both are chosen).
-fn free_ports() -> (u16, u16) {
-    let mut held = Vec::new();
-    while held.len() < 2 {
-        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let port = udp.local_addr().expect("addr").port();
-        if let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-            held.push((udp, tcp, port));
-        }
-    }
-    (held[0].2, held[1].2)
-}
 
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -63,7 +49,8 @@ fn main() {
 async fn bench() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("cluster.toml");
-    let (pa, pb) = free_ports();
+    let ports = duet_runtime::testing::free_loopback_ports(2);
+    let (pa, pb) = (ports[0], ports[1]);
     std::fs::write(
         &path,
         format!(

@@ -38,5 +38,6 @@ pub mod node;
 pub mod services;
 pub mod supervisor;
 pub mod telemetry;
+pub mod testing;
 pub mod tree;
 pub mod wire;

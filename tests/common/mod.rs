@@ -5,7 +5,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
-use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -20,27 +20,7 @@ pub fn duet_bin() -> &'static str {
     env!("CARGO_BIN_EXE_duet")
 }
 
-/// `n` distinct loopback ports, each free for both UDP (link) and TCP (admin). They are drawn
-/// below the kernel's ephemeral range (32768 and up), so a client socket of another test cannot
-/// take one between this check and the node's bind, and the sockets are held until all are
-/// chosen so no port is handed out twice.
-pub fn free_ports(n: usize) -> Vec<u16> {
-    use std::hash::{BuildHasher, Hasher};
-    let mut held = Vec::new();
-    let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
-    while held.len() < n {
-        seed.write_usize(held.len());
-        let port = 20_000 + (seed.finish() % 12_000) as u16;
-        let Ok(udp) = UdpSocket::bind(("127.0.0.1", port)) else {
-            continue;
-        };
-        let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)) else {
-            continue;
-        };
-        held.push((udp, tcp, port));
-    }
-    held.iter().map(|(_, _, p)| *p).collect()
-}
+pub use duet_runtime::testing::free_loopback_ports as free_ports;
 
 /// A cluster file in its own temporary folder.
 pub struct ClusterDir {

@@ -211,17 +211,7 @@ mod tests {
 
     use super::*;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as random;
 
     /// Naive attention over contiguous K and V (f64 accumulation).
     fn naive(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], shape: AttnShape) -> Vec<f32> {

@@ -12,17 +12,6 @@ use std::arch::x86_64::*;
 /// accumulators, 4 weight vectors and the token vector in the 32 registers (4 x 6 spilled).
 const TOKENS_MANY: usize = 5;
 
-/// Reads a little-endian f16 at `p` as f32 (F16C).
-#[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees two readable bytes at `p`; F16C is enabled by the callers'
-    // target features.
-    unsafe {
-        let bits = u16::from_le_bytes([*p, *p.add(1)]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-    }
-}
-
 /// The fixed tree: pairs `(i, i + 8)`, then `(i, i + 4)`, `(i, i + 2)`, `(0, 1)`.
 #[inline(always)]
 unsafe fn hsum(v: __m512) -> f32 {
@@ -46,26 +35,6 @@ pub trait Block {
     /// # Safety
     /// `p` must point at `BYTES` readable bytes; AVX-512F and F16C must be available.
     unsafe fn load(p: *const u8) -> (__m512, __m512);
-}
-
-/// GGML Q4_1: f16 d, f16 m, 16 bytes of nibbles (low nibbles are weights 0..16).
-pub struct Q4_1;
-
-impl Block for Q4_1 {
-    const BYTES: usize = 20;
-
-    #[inline(always)]
-    unsafe fn load(p: *const u8) -> (__m512, __m512) {
-        // SAFETY: per the trait contract.
-        unsafe {
-            let d = _mm512_set1_ps(f16_at(p));
-            let m = _mm512_set1_ps(f16_at(p.add(2)));
-            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(4).cast()));
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-            (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
-        }
-    }
 }
 
 /// Q4_1 with `d` and `m` widened to f32 (24-byte blocks).
@@ -101,27 +70,6 @@ impl Block for Q8_0Wide {
             let d = _mm512_set1_ps(p.cast::<f32>().read_unaligned());
             let lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(4).cast()));
             let hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(20).cast()));
-            (
-                _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),
-            )
-        }
-    }
-}
-
-/// GGML Q8_0: f16 d, 32 signed bytes.
-pub struct Q8_0;
-
-impl Block for Q8_0 {
-    const BYTES: usize = 34;
-
-    #[inline(always)]
-    unsafe fn load(p: *const u8) -> (__m512, __m512) {
-        // SAFETY: per the trait contract.
-        unsafe {
-            let d = _mm512_set1_ps(f16_at(p));
-            let lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(2).cast()));
-            let hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(18).cast()));
             (
                 _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
                 _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),

@@ -324,8 +324,6 @@ pub fn rows_strided(
             };
         }
         match w.ty {
-            Format::Gguf(TensorType::Q4_1) => return unsafe { run!(avx512::Q4_1) },
-            Format::Gguf(TensorType::Q8_0) => return unsafe { run!(avx512::Q8_0) },
             Format::Q4_1Wide => return unsafe { run!(avx512::Q4_1Wide) },
             Format::Q8_0Wide => return unsafe { run!(avx512::Q8_0Wide) },
             _ => {}
@@ -399,17 +397,7 @@ mod tests {
     use super::*;
     use crate::gguf::writer::quantize;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as random;
 
     fn reference(w: &QRef<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut row = vec![0f32; w.cols];

@@ -2,7 +2,6 @@
 
 #![allow(dead_code)] // each test binary uses part of it
 
-use std::net::UdpSocket;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,30 +16,11 @@ pub struct Pair {
     pub b: Node,
 }
 
-/// Two distinct ports free for UDP and TCP, drawn below the ephemeral range so no client
-/// socket takes one before the node binds it (sockets held until both are chosen).
-pub fn free_ports() -> (u16, u16) {
-    use std::hash::{BuildHasher, Hasher};
-    let mut held = Vec::new();
-    let mut seed = std::collections::hash_map::RandomState::new().build_hasher();
-    while held.len() < 2 {
-        seed.write_usize(held.len());
-        let port = 20_000 + (seed.finish() % 12_000) as u16;
-        let Ok(udp) = UdpSocket::bind(("127.0.0.1", port)) else {
-            continue;
-        };
-        let Ok(tcp) = std::net::TcpListener::bind(("127.0.0.1", port)) else {
-            continue;
-        };
-        held.push((udp, tcp, port));
-    }
-    (held[0].2, held[1].2)
-}
-
 /// Nodes `a` and `b` (plus `extra` TOML), started, with a's link to b up.
 pub async fn pair_with(extra: &str) -> Pair {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (pa, pb) = free_ports();
+    let ports = duet_runtime::testing::free_loopback_ports(2);
+    let (pa, pb) = (ports[0], ports[1]);
     let text = format!(
         "{extra}\n[[node]]\nname = \"a\"\nrole = \"prefill\"\naddress = \"127.0.0.1:{}\"\n\
          [[node]]\nname = \"b\"\nrole = \"decode\"\naddress = \"127.0.0.1:{}\"\n",
