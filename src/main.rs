@@ -150,7 +150,7 @@ async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
             return ExitCode::from(EXIT_START_FAILED);
         }
     };
-    let node = match Node::start(config, name).await {
+    let node = match Node::start_with(config, name, &duet_actors::role_children).await {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: node {name}: {e}");

@@ -92,6 +92,16 @@ pub enum Exit {
 impl Node {
     /// Binds, starts the tree and the admin API. Returns once the node serves.
     pub async fn start(config: Arc<ClusterConfig>, name: &str) -> Result<Node, NodeError> {
+        Node::start_with(config, name, &|_| Vec::new()).await
+    }
+
+    /// Like [`Node::start`], with more actors under the role supervisor (the serving actors,
+    /// which this crate knows nothing of).
+    pub async fn start_with(
+        config: Arc<ClusterConfig>,
+        name: &str,
+        role_children: &dyn Fn(&Arc<NodeContext>) -> Vec<ChildSpec>,
+    ) -> Result<Node, NodeError> {
         let me = config
             .node(name)
             .cloned()
@@ -151,7 +161,7 @@ impl Node {
             SupervisorArgs {
                 path: me.name.clone(),
                 policies: Arc::new(config.supervision.clone()),
-                children: children(&ctx, &me, &peers),
+                children: children(&ctx, &me, &peers, role_children(&ctx)),
             },
         )
         .await
@@ -234,7 +244,12 @@ impl Node {
     }
 }
 
-fn children(ctx: &Arc<NodeContext>, me: &NodeConfig, peers: &[String]) -> Vec<ChildSpec> {
+fn children(
+    ctx: &Arc<NodeContext>,
+    me: &NodeConfig,
+    peers: &[String],
+    extra: Vec<ChildSpec>,
+) -> Vec<ChildSpec> {
     let policies = Arc::new(ctx.config.supervision.clone());
     let links = peers
         .iter()
@@ -260,6 +275,8 @@ fn children(ctx: &Arc<NodeContext>, me: &NodeConfig, peers: &[String]) -> Vec<Ch
     let c = ctx.clone();
     let echo = ChildSpec::actor("echo", "echo", move || (EchoActor, c.clone()));
     let role = me.role.as_str();
+    let mut role_actors = vec![echo];
+    role_actors.extend(extra);
     vec![
         listener,
         ChildSpec::supervisor(
@@ -269,7 +286,7 @@ fn children(ctx: &Arc<NodeContext>, me: &NodeConfig, peers: &[String]) -> Vec<Ch
             links,
         ),
         membership,
-        ChildSpec::supervisor(role, format!("{}/{role}", me.name), policies, vec![echo]),
+        ChildSpec::supervisor(role, format!("{}/{role}", me.name), policies, role_actors),
     ]
 }
 

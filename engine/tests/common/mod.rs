@@ -27,7 +27,8 @@ pub fn model_path() -> PathBuf {
 /// The reference outputs of SmolLM2-135M from an independent fp32 implementation (HF
 /// transformers on the dequantized GGUF), copied from the project's shared fixtures.
 pub fn fixture() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-reference.json");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-reference.json");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("cannot read the reference fixture {}: {e}", path.display()));
     serde_json::from_str(&text).expect("fixture JSON")

@@ -23,7 +23,15 @@ pub use locate::key_at;
 /// The actor kinds whose restart policy `[supervision.KIND]` may set.
 ///
 /// Each kind is a kind of child a supervisor restarts; `default` applies to kinds not listed.
-pub const ACTOR_KINDS: &[&str] = &["supervisor", "listener", "link", "membership", "echo"];
+pub const ACTOR_KINDS: &[&str] = &[
+    "supervisor",
+    "listener",
+    "link",
+    "membership",
+    "echo",
+    "router",
+    "worker",
+];
 
 /// Largest `max_restarts` accepted; beyond this a crash loop is no longer a policy.
 pub const MAX_RESTARTS_LIMIT: u32 = 10_000;
@@ -35,6 +43,8 @@ pub const MAX_WITHIN_SECS: u64 = 86_400;
 pub struct ClusterConfig {
     /// The file this was loaded from (absolute when loaded from disk).
     pub path: PathBuf,
+    /// The file's text, for the tables that other crates own (`[serving]`).
+    pub source: String,
     /// Name of the cluster; part of the TLS handshake so two clusters never join by mistake.
     pub name: String,
     /// Where the certificate, key and token live.

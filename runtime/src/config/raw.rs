@@ -29,6 +29,10 @@ pub(super) struct RawConfig {
     supervision: BTreeMap<String, Spanned<RawPolicy>>,
     #[serde(default, rename = "node")]
     nodes: Vec<Spanned<RawNode>>,
+    /// Application tables (such as `[serving]`) that the runtime carries but does not read;
+    /// their owners validate them from [`ClusterConfig::source`].
+    #[serde(default)]
+    serving: Option<toml::Value>,
 }
 
 #[derive(Default, Deserialize)]
@@ -355,8 +359,10 @@ pub(super) fn validate(
         });
     }
 
+    let _ = raw.serving;
     Ok(ClusterConfig {
         path: path.to_path_buf(),
+        source: text.to_string(),
         name,
         credentials,
         link,

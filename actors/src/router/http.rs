@@ -1,0 +1,559 @@
+//! The router's HTTP API: `/v1/chat/completions`, `/v1/completions` (streaming and not),
+//! `/v1/models`, `/health`, `/ready`, `/metrics`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use duet_engine::chat::Message;
+use duet_engine::{FinishReason, SamplingParams};
+use futures_util::stream::{self, Stream};
+use serde_json::{Value, json};
+
+use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
+use super::{RouterShared, Started};
+use crate::protocol::TokenItem;
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 4 << 20;
+
+/// The router's HTTP application.
+pub fn app(shared: Arc<RouterShared>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: "no such endpoint".into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("not_found"),
+            }
+        })
+        .with_state(shared)
+}
+
+async fn body_json<T: serde::de::DeserializeOwned>(req: Request) -> Result<T, ApiError> {
+    let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY)
+        .await
+        .map_err(|_| ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("the request body is larger than {MAX_BODY} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("body_too_large"),
+        })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid(format!("malformed JSON body: {e}"), "body").code("invalid_json")
+    })
+}
+
+async fn models(State(s): State<Arc<RouterShared>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": s.settings.model_name, "object": "model", "created": 0, "owned_by": "duet",
+    }]}))
+}
+
+async fn ready(State(s): State<Arc<RouterShared>>) -> Response {
+    let workers = s.ready_workers().len();
+    let status = if workers > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": workers > 0, "workers": workers})),
+    )
+        .into_response()
+}
+
+async fn metrics() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        duet_runtime::metrics::install().render(),
+    )
+        .into_response()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completion,
+}
+
+async fn chat(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
+    let result = async {
+        let r: ChatRequest = body_json(req).await?;
+        check_model(&s, r.model.as_deref())?;
+        if r.messages.is_empty() {
+            return Err(ApiError::invalid("messages must not be empty", "messages"));
+        }
+        let messages = r
+            .messages
+            .iter()
+            .map(|m| Ok(Message::new(&m.role, &m.text()?)))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let template = s
+            .chat
+            .as_ref()
+            .ok_or_else(|| ApiError::invalid("the model has no chat template", "messages"))?;
+        let text = template
+            .render(&messages, true)
+            .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
+        let prompt = s.tokenizer.encode(&text);
+        Ok((prompt, r.common))
+    }
+    .await;
+    match result {
+        Ok((prompt, common)) => serve(s, Api::Chat, prompt, common).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
+    let result = async {
+        let r: CompletionRequest = body_json(req).await?;
+        check_model(&s, r.model.as_deref())?;
+        let prompt = match &r.prompt {
+            Value::String(t) => s.tokenizer.encode(t),
+            Value::Array(items) if items.iter().all(Value::is_u64) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|id| (*id as usize) < s.tokenizer.vocab_size())
+                        .map(|id| id as u32)
+                        .ok_or_else(|| {
+                            ApiError::invalid("prompt token id outside the vocabulary", "prompt")
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                s.tokenizer.encode(items[0].as_str().unwrap_or_default())
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                    "prompt",
+                ));
+            }
+        };
+        Ok((prompt, r.common))
+    }
+    .await;
+    match result {
+        Ok((prompt, common)) => serve(s, Api::Completion, prompt, common).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn check_model(s: &RouterShared, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.settings.model_name => Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "the model `{m}` does not exist; this server serves `{}`",
+                s.settings.model_name
+            ),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Turns the request parameters into sampling parameters, refusing bad values.
+fn params(s: &RouterShared, prompt_len: usize, c: &Common) -> Result<SamplingParams, ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::invalid("the prompt is empty", "prompt"));
+    }
+    if c.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", "n"));
+    }
+    if c.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "only best_of = 1 is supported",
+            "best_of",
+        ));
+    }
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature must be between 0 and 2",
+            "temperature",
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
+    }
+    let room = s.max_context.saturating_sub(prompt_len);
+    if room == 0 {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt has {prompt_len} tokens; the context is {} tokens",
+                s.max_context
+            ),
+            "messages",
+        )
+        .code("context_length_exceeded"));
+    }
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        None => room.min(4096),
+        Some(m) if m >= 1 && (m as usize) <= room => m as usize,
+        Some(m) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "max_tokens is {m}, but the prompt has {prompt_len} tokens and the context is {}: at most {room}",
+                    s.max_context
+                ),
+                "max_tokens",
+            )
+            .code("context_length_exceeded"));
+        }
+    };
+    let min_tokens = c.min_tokens.unwrap_or(0).clamp(0, max_tokens as i64) as usize;
+    Ok(SamplingParams {
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: c.top_k.unwrap_or(0).max(0) as usize,
+        seed: c.seed.map(|v| v as u64),
+        max_tokens,
+        min_tokens,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+        stop: c.stops()?,
+    })
+}
+
+/// One request in flight on a worker, retried once on another if its worker is lost before
+/// the first token. Dropping it (client gone) cancels it on the worker.
+struct Generation {
+    shared: Arc<RouterShared>,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    current: Option<Started>,
+    tried: Vec<String>,
+    tokens: usize,
+    finished: bool,
+}
+
+impl Generation {
+    async fn start(
+        shared: Arc<RouterShared>,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<Generation, ApiError> {
+        let started = shared
+            .start(&prompt, &params, &[])
+            .await
+            .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
+        Ok(Generation {
+            tried: vec![started.worker.clone()],
+            current: Some(started),
+            shared,
+            prompt,
+            params,
+            tokens: 0,
+            finished: false,
+        })
+    }
+
+    /// The next item; `Err` ends the request with that cause.
+    async fn next(&mut self) -> Option<Result<TokenItem, String>> {
+        if self.finished {
+            return None;
+        }
+        let timeout = self.shared.settings.request_timeout;
+        loop {
+            let started = self.current.as_mut()?;
+            let item = match tokio::time::timeout(timeout, started.rx.recv()).await {
+                Ok(Some(item)) => item,
+                Ok(None) => TokenItem::failed(started.request, "the worker stream closed".into()),
+                Err(_) => {
+                    self.finished = true;
+                    let request = started.request;
+                    self.shared.cancel(request);
+                    return Some(Err(format!(
+                        "decode: no token within the request timeout of {timeout:?}"
+                    )));
+                }
+            };
+            if let Some(error) = item.error.clone() {
+                if self.tokens == 0 && self.tried.len() < 2 {
+                    tracing::warn!(%error, "retrying on another worker before the first token");
+                    match self
+                        .shared
+                        .start(&self.prompt, &self.params, &self.tried)
+                        .await
+                    {
+                        Ok(s) => {
+                            self.tried.push(s.worker.clone());
+                            self.current = Some(s);
+                            continue;
+                        }
+                        Err(e) => {
+                            self.finished = true;
+                            return Some(Err(format!("{error}; retry failed: {e}")));
+                        }
+                    }
+                }
+                self.finished = true;
+                return Some(Err(error));
+            }
+            if item.token.is_some() {
+                self.tokens += 1;
+            }
+            if item.finish.is_some() {
+                self.finished = true;
+            }
+            return Some(Ok(item));
+        }
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if let (false, Some(s)) = (self.finished, &self.current) {
+            self.shared.cancel(s.request);
+        }
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn finish_str(f: Option<FinishReason>) -> Value {
+    match f {
+        Some(FinishReason::Stop) => json!("stop"),
+        Some(FinishReason::Length) => json!("length"),
+        None => Value::Null,
+    }
+}
+
+async fn serve(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
+    let params = match params(&s, prompt.len(), &c) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let prompt_tokens = prompt.len();
+    let model = s.settings.model_name.clone();
+    let logprobs = c.wants_logprobs();
+    let mut generation = match Generation::start(s.clone(), prompt, params).await {
+        Ok(g) => g,
+        Err(e) => return e.into_response(),
+    };
+    let id = match api {
+        Api::Chat => format!("chatcmpl-{:016x}", rand::random::<u64>()),
+        Api::Completion => format!("cmpl-{:016x}", rand::random::<u64>()),
+    };
+    let created = now();
+    if c.stream.unwrap_or(false) {
+        return stream_response(
+            generation,
+            api,
+            id,
+            model,
+            created,
+            prompt_tokens,
+            logprobs,
+            c.include_usage(),
+        );
+    }
+    let (mut text, mut finish, mut lps, mut count, mut cached) =
+        (String::new(), None, Vec::new(), 0, 0);
+    while let Some(item) = generation.next().await {
+        match item {
+            Ok(item) => {
+                text.push_str(&item.text);
+                cached += item.cached_tokens;
+                if let Some(t) = item.token {
+                    count += 1;
+                    lps.push((t, item.logprob, item.text.clone()));
+                }
+                finish = item.finish.or(finish);
+            }
+            Err(e) => return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
+        }
+    }
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": count,
+        "total_tokens": prompt_tokens + count,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    });
+    let body = match api {
+        Api::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": null,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null},
+                "logprobs": if logprobs { chat_logprobs(&lps) } else { Value::Null },
+                "finish_reason": finish_str(finish),
+            }],
+            "usage": usage,
+        }),
+        Api::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": null,
+            "choices": [{
+                "index": 0, "text": text,
+                "logprobs": if logprobs { completion_logprobs(&lps) } else { Value::Null },
+                "finish_reason": finish_str(finish),
+            }],
+            "usage": usage,
+        }),
+    };
+    Json(body).into_response()
+}
+
+fn chat_logprobs(lps: &[(u32, f32, String)]) -> Value {
+    json!({"content": lps.iter().map(|(_, lp, t)| json!({
+        "token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": [],
+    })).collect::<Vec<_>>(), "refusal": null})
+}
+
+fn completion_logprobs(lps: &[(u32, f32, String)]) -> Value {
+    json!({
+        "tokens": lps.iter().map(|(_, _, t)| t.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
+        "top_logprobs": null,
+        "text_offset": null,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_response(
+    generation: Generation,
+    api: Api,
+    id: String,
+    model: String,
+    created: u64,
+    prompt_tokens: usize,
+    logprobs: bool,
+    include_usage: bool,
+) -> Response {
+    struct St {
+        g: Generation,
+        first: bool,
+        done: bool,
+        count: usize,
+    }
+    let chunk = move |choice: Value, usage: Value| -> Event {
+        let object = if api == Api::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let mut v = json!({"id": id, "object": object, "created": created, "model": model,
+            "system_fingerprint": null, "choices": [choice]});
+        if choice_is_empty(&v) {
+            v["choices"] = json!([]);
+        }
+        if !usage.is_null() {
+            v["usage"] = usage;
+        }
+        Event::default().data(v.to_string())
+    };
+    let events = stream::unfold(
+        St {
+            g: generation,
+            first: true,
+            done: false,
+            count: 0,
+        },
+        move |mut st| {
+            let chunk = chunk.clone();
+            async move {
+                if st.done {
+                    return None;
+                }
+                let mut out: Vec<Result<Event, Infallible>> = Vec::new();
+                if st.first && api == Api::Chat {
+                    st.first = false;
+                    out.push(Ok(chunk(
+                        json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+                        Value::Null,
+                    )));
+                }
+                match st.g.next().await {
+                    Some(Ok(item)) => {
+                        if item.token.is_some() {
+                            st.count += 1;
+                        }
+                        let lp = if logprobs && item.token.is_some() {
+                            let one = [(0, item.logprob, item.text.clone())];
+                            if api == Api::Chat {
+                                chat_logprobs(&one)
+                            } else {
+                                completion_logprobs(&one)
+                            }
+                        } else {
+                            Value::Null
+                        };
+                        let choice = match api {
+                            Api::Chat => {
+                                json!({"index": 0, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": finish_str(item.finish)})
+                            }
+                            Api::Completion => {
+                                json!({"index": 0, "text": item.text, "logprobs": lp, "finish_reason": finish_str(item.finish)})
+                            }
+                        };
+                        out.push(Ok(chunk(choice, Value::Null)));
+                        if item.finish.is_some() {
+                            if include_usage {
+                                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": st.count, "total_tokens": prompt_tokens + st.count});
+                                out.push(Ok(chunk(Value::Null, usage)));
+                            }
+                            out.push(Ok(Event::default().data("[DONE]")));
+                            st.done = true;
+                        }
+                    }
+                    Some(Err(cause)) => {
+                        let err = json!({"error": {"message": cause, "type": "server_error", "param": null, "code": null}});
+                        out.push(Ok(Event::default().event("error").data(err.to_string())));
+                        out.push(Ok(Event::default().data("[DONE]")));
+                        st.done = true;
+                    }
+                    None => {
+                        out.push(Ok(Event::default().data("[DONE]")));
+                        st.done = true;
+                    }
+                }
+                Some((stream::iter(out), st))
+            }
+        },
+    );
+    let flat = futures_util::StreamExt::flatten(events);
+    sse(flat)
+}
+
+fn choice_is_empty(v: &Value) -> bool {
+    v["choices"]
+        .as_array()
+        .is_some_and(|c| c.len() == 1 && c[0].is_null())
+}
+
+fn sse<S>(events: S) -> Response
+where
+    S: Stream<Item = Result<Event, Infallible>> + Send + 'static,
+{
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}

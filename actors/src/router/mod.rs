@@ -1,0 +1,361 @@
+//! The router: OpenAI-compatible HTTP in front, workers behind.
+//!
+//! The HTTP handlers ([`http`]) validate and tokenize a request, pick a worker by load (power
+//! of two choices on queued tokens, then free pages), and send it `worker.generate` over the
+//! link. The router actor receives the workers' token batches and load reports and routes each
+//! item to the request's channel. A worker that membership marks down, or that comes back as a
+//! new incarnation, fails the requests it held; a request that had produced no token is retried
+//! once on another worker.
+
+pub mod http;
+mod openai;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_engine::chat::ChatTemplate;
+use duet_engine::gguf::Gguf;
+use duet_engine::tokenizer::Tokenizer;
+use duet_engine::{SamplingParams, fetch};
+use duet_runtime::context::NodeContext;
+use duet_runtime::membership::MembershipEvent;
+use duet_runtime::services::{Inbound, IntoInbound};
+use duet_runtime::wire;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use rand::Rng;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::protocol::{
+    Accepted, Cancel, Generate, LoadReport, ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE,
+    kinds,
+};
+use crate::settings::ServingConfig;
+
+/// A load report older than this no longer counts: the worker is not routed to.
+const LOAD_STALE: Duration = Duration::from_secs(3);
+
+/// What the router's handlers and actor share.
+pub struct RouterShared {
+    ctx: Arc<NodeContext>,
+    settings: ServingConfig,
+    tokenizer: Tokenizer,
+    chat: Option<ChatTemplate>,
+    max_context: usize,
+    workers: Mutex<HashMap<String, (LoadReport, Instant)>>,
+    pending: Mutex<HashMap<u64, Pending>>,
+    next_id: AtomicU64,
+}
+
+struct Pending {
+    tx: mpsc::UnboundedSender<TokenItem>,
+    worker: String,
+    incarnation: Option<u64>,
+}
+
+impl RouterShared {
+    fn lock_workers(&self) -> std::sync::MutexGuard<'_, HashMap<String, (LoadReport, Instant)>> {
+        self.workers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Pending>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Workers that can take traffic: up in membership, with a fresh load report.
+    pub fn ready_workers(&self) -> Vec<LoadReport> {
+        let now = Instant::now();
+        self.lock_workers()
+            .values()
+            .filter(|(r, seen)| {
+                now.duration_since(*seen) < LOAD_STALE && self.ctx.membership.is_up(&r.worker)
+            })
+            .map(|(r, _)| r.clone())
+            .collect()
+    }
+
+    /// Power of two choices: two random ready workers, the less loaded one wins.
+    fn pick(&self, exclude: &[String]) -> Option<String> {
+        let ready: Vec<LoadReport> = self
+            .ready_workers()
+            .into_iter()
+            .filter(|r| !exclude.contains(&r.worker))
+            .collect();
+        match ready.len() {
+            0 => None,
+            1 => Some(ready[0].worker.clone()),
+            n => {
+                let mut rng = rand::rng();
+                let a = rng.random_range(0..n);
+                let b = (a + rng.random_range(1..n)) % n;
+                let key =
+                    |r: &LoadReport| (r.queued_tokens + 16 * r.waiting, usize::MAX - r.free_pages);
+                let best = if key(&ready[a]) <= key(&ready[b]) {
+                    a
+                } else {
+                    b
+                };
+                Some(ready[best].worker.clone())
+            }
+        }
+    }
+
+    /// Starts a request on a worker (not one of `exclude`); its items arrive on the receiver.
+    async fn start(
+        &self,
+        prompt: &[u32],
+        params: &SamplingParams,
+        exclude: &[String],
+    ) -> Result<Started, String> {
+        let worker = self
+            .pick(exclude)
+            .ok_or_else(|| "no worker is ready to serve".to_string())?;
+        let request = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.lock_pending().insert(
+            request,
+            Pending {
+                tx,
+                worker: worker.clone(),
+                incarnation: None,
+            },
+        );
+        let body = wire::encode_body(&Generate {
+            request,
+            prompt: prompt.to_vec(),
+            params: params.clone(),
+        });
+        let answer = match self.ctx.links.get(&worker) {
+            Ok(link) => link
+                .request(
+                    kinds::GENERATE,
+                    ROUTER_SERVICE,
+                    WORKER_SERVICE,
+                    body,
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match answer.and_then(|b| wire::decode_body::<Accepted>(&b).map_err(|e| e.to_string())) {
+            Ok(accepted) => {
+                if let Some(p) = self.lock_pending().get_mut(&request) {
+                    p.incarnation = Some(accepted.incarnation);
+                }
+                Ok(Started {
+                    request,
+                    worker,
+                    rx,
+                })
+            }
+            Err(e) => {
+                self.lock_pending().remove(&request);
+                Err(format!("worker {worker} refused the request: {e}"))
+            }
+        }
+    }
+
+    /// Tells the worker to drop a request (client gone) and forgets it here.
+    fn cancel(self: &Arc<Self>, request: u64) {
+        let Some(p) = self.lock_pending().remove(&request) else {
+            return;
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Ok(link) = me.ctx.links.get(&p.worker) {
+                let body = wire::encode_body(&Cancel { request });
+                let _ = link
+                    .send(kinds::CANCEL, ROUTER_SERVICE, WORKER_SERVICE, body)
+                    .await;
+            }
+        });
+    }
+
+    fn deliver(&self, batch: TokenBatch) {
+        let mut pending = self.lock_pending();
+        for item in batch.items {
+            let done = item.finish.is_some() || item.error.is_some();
+            let request = item.request;
+            let Some(p) = pending.get(&request) else {
+                continue;
+            };
+            if p.worker != batch.worker || p.incarnation.is_some_and(|i| i != batch.incarnation) {
+                continue; // from an old incarnation: never mixed into a newer attempt
+            }
+            let _ = p.tx.send(item);
+            if done {
+                pending.remove(&request);
+            }
+        }
+    }
+
+    /// Fails every request `worker` holds (it is down or restarted).
+    fn fail_worker(&self, worker: &str, cause: &str) {
+        let mut pending = self.lock_pending();
+        let lost: Vec<u64> = pending
+            .iter()
+            .filter(|(_, p)| p.worker == worker)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in lost {
+            if let Some(p) = pending.remove(&id) {
+                let _ = p.tx.send(TokenItem::failed(
+                    id,
+                    format!("worker {worker} lost: {cause}"),
+                ));
+            }
+        }
+    }
+}
+
+struct Started {
+    request: u64,
+    worker: String,
+    rx: mpsc::UnboundedReceiver<TokenItem>,
+}
+
+/// The router actor.
+pub struct RouterActor;
+
+/// What the router actor handles.
+#[derive(Debug)]
+pub enum RouterMsg {
+    /// From a worker.
+    Inbound(Inbound),
+    /// A peer went up or down.
+    Membership(MembershipEvent),
+}
+
+impl From<Inbound> for RouterMsg {
+    fn from(i: Inbound) -> Self {
+        RouterMsg::Inbound(i)
+    }
+}
+
+impl IntoInbound for RouterMsg {
+    fn into_inbound(self) -> Option<Inbound> {
+        match self {
+            RouterMsg::Inbound(i) => Some(i),
+            RouterMsg::Membership(_) => None,
+        }
+    }
+}
+
+/// The running router: its shared state and its HTTP server (stopped on drop).
+pub struct RouterState {
+    shared: Arc<RouterShared>,
+    server: JoinHandle<()>,
+}
+
+impl Drop for RouterState {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+impl Actor for RouterActor {
+    type Msg = RouterMsg;
+    type State = RouterState;
+    type Arguments = Arc<NodeContext>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        ctx: Arc<NodeContext>,
+    ) -> Result<RouterState, ActorProcessingErr> {
+        let settings = ServingConfig::from_cluster(&ctx.config)?;
+        let path = settings.model.clone();
+        let (tokenizer, chat, max_context) = tokio::task::spawn_blocking(move || {
+            let path = if path.exists() || !path.ends_with(fetch::MODEL_FILE) {
+                path
+            } else {
+                fetch::ensure_model(&path, &mut |_| {}).map_err(|e| e.to_string())?
+            };
+            let g = Gguf::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let tok = Tokenizer::from_gguf(&g).map_err(|e| e.to_string())?;
+            let chat = ChatTemplate::from_gguf(&g).ok();
+            let ctx_len = g.u64("llama.context_length").map_err(|e| e.to_string())? as usize;
+            Ok::<_, String>((tok, chat, ctx_len))
+        })
+        .await??;
+        let listener = tokio::net::TcpListener::bind(settings.http)
+            .await
+            .map_err(|e| format!("cannot bind the HTTP address {}: {e}", settings.http))?;
+        let shared = Arc::new(RouterShared {
+            ctx: ctx.clone(),
+            settings,
+            tokenizer,
+            chat,
+            max_context,
+            workers: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
+        });
+        let app = http::app(shared.clone());
+        let server = tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "router HTTP server stopped");
+            }
+        });
+        ctx.services.register(ROUTER_SERVICE, myself.clone());
+        ctx.membership
+            .events
+            .subscribe(myself, |e| Some(RouterMsg::Membership(e)));
+        tracing::info!(http = %shared.settings.http, "router ready");
+        Ok(RouterState { shared, server })
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        state: &mut RouterState,
+    ) -> Result<(), ActorProcessingErr> {
+        state
+            .shared
+            .ctx
+            .services
+            .unregister(ROUTER_SERVICE, myself.get_id());
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RouterMsg>,
+        msg: RouterMsg,
+        state: &mut RouterState,
+    ) -> Result<(), ActorProcessingErr> {
+        let shared = &state.shared;
+        match msg {
+            RouterMsg::Inbound(Inbound { envelope, .. }) => match envelope.kind.as_str() {
+                kinds::EVENTS => {
+                    if let Ok(batch) = wire::decode_body::<TokenBatch>(&envelope.body) {
+                        shared.deliver(batch);
+                    }
+                }
+                kinds::LOAD => {
+                    if let Ok(report) = wire::decode_body::<LoadReport>(&envelope.body) {
+                        let previous = shared
+                            .lock_workers()
+                            .insert(report.worker.clone(), (report.clone(), Instant::now()));
+                        if let Some((old, _)) =
+                            previous.filter(|(o, _)| o.incarnation != report.incarnation)
+                        {
+                            tracing::warn!(worker = %old.worker, "worker restarted");
+                            shared.fail_worker(&old.worker, "it restarted");
+                        }
+                    }
+                }
+                other => tracing::warn!(kind = other, "router ignored a message"),
+            },
+            RouterMsg::Membership(MembershipEvent::Down { peer }) => {
+                shared.lock_workers().remove(&peer);
+                shared.fail_worker(&peer, "membership marked it down");
+            }
+            RouterMsg::Membership(MembershipEvent::Up { .. }) => {}
+        }
+        Ok(())
+    }
+}

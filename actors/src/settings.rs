@@ -1,0 +1,159 @@
+//! The `[serving]` table of cluster.toml: the model, the router's HTTP address, the workers'
+//! engine settings. Validated like the rest of the file (file, line, key, expectation).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use duet_gpu::KvDtype;
+use duet_runtime::config::{ClusterConfig, ConfigError, key_at};
+use serde::Deserialize;
+use toml::Spanned;
+
+/// Serving settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServingConfig {
+    /// The GGUF file (fetched there if missing and it is the default model).
+    pub model: PathBuf,
+    /// The model id clients ask for.
+    pub model_name: String,
+    /// The router's OpenAI-compatible HTTP address.
+    pub http: SocketAddr,
+    /// KV pages per worker.
+    pub kv_pages: usize,
+    /// KV element type.
+    pub kv_dtype: KvDtype,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Compute threads per worker.
+    pub threads: usize,
+    /// Tokens per engine step at most.
+    pub max_batch_tokens: usize,
+    /// Sequences per worker at most.
+    pub max_running: usize,
+    /// How often workers report their load.
+    pub load_interval: Duration,
+    /// Longest a request may take before it fails.
+    pub request_timeout: Duration,
+}
+
+#[derive(Deserialize, Default)]
+struct File {
+    #[serde(default)]
+    serving: RawServing,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServing {
+    model: Option<String>,
+    model_name: Option<Spanned<String>>,
+    http: Option<Spanned<String>>,
+    kv_pages: Option<Spanned<u64>>,
+    kv_dtype: Option<Spanned<String>>,
+    page_size: Option<Spanned<u64>>,
+    threads: Option<Spanned<u64>>,
+    max_batch_tokens: Option<Spanned<u64>>,
+    max_running: Option<Spanned<u64>>,
+    load_interval_ms: Option<Spanned<u64>>,
+    request_timeout_secs: Option<Spanned<u64>>,
+}
+
+impl ServingConfig {
+    /// Reads `[serving]` from a loaded cluster file.
+    pub fn from_cluster(c: &ClusterConfig) -> Result<ServingConfig, ConfigError> {
+        let text = &c.source;
+        let file = c.path.display().to_string();
+        let err = |at: usize, key: Option<&str>, message: String| {
+            let (line, found) = key_at(text, at);
+            ConfigError {
+                file: file.clone(),
+                line,
+                key: key.map_or(found, str::to_string),
+                message,
+            }
+        };
+        let raw: File = toml::from_str(text).map_err(|e| {
+            err(
+                e.span().map_or(0, |s| s.start),
+                None,
+                e.message().trim().to_string(),
+            )
+        })?;
+        let s = raw.serving;
+        let int = |v: &Option<Spanned<u64>>, key: &str, lo: u64, hi: u64, default: u64| match v {
+            None => Ok(default),
+            Some(v) if (lo..=hi).contains(v.get_ref()) => Ok(*v.get_ref()),
+            Some(v) => Err(err(
+                v.span().start,
+                Some(key),
+                format!(
+                    "{} is out of range: expected an integer from {lo} to {hi}",
+                    v.get_ref()
+                ),
+            )),
+        };
+        let dir = c.path.parent().map(PathBuf::from).unwrap_or_default();
+        let model = match &s.model {
+            Some(p) if PathBuf::from(p).is_absolute() => PathBuf::from(p),
+            Some(p) => dir.join(p),
+            None => dir.join("models").join(duet_engine::fetch::MODEL_FILE),
+        };
+        let http = match &s.http {
+            None => SocketAddr::from(([127, 0, 0, 1], 8000)),
+            Some(h) => h.get_ref().parse().map_err(|_| {
+                err(
+                    h.span().start,
+                    Some("serving.http"),
+                    format!("`{}` is not a socket address: expected IP:PORT, such as \"127.0.0.1:8000\"", h.get_ref()),
+                )
+            })?,
+        };
+        let kv_dtype = match &s.kv_dtype {
+            None => KvDtype::F16,
+            Some(d) => KvDtype::parse(d.get_ref()).ok_or_else(|| {
+                err(
+                    d.span().start,
+                    Some("serving.kv_dtype"),
+                    format!(
+                        "`{}` is not a KV dtype: expected \"f16\" or \"f32\"",
+                        d.get_ref()
+                    ),
+                )
+            })?,
+        };
+        Ok(ServingConfig {
+            model,
+            model_name: s
+                .model_name
+                .map_or_else(|| "SmolLM2-135M-Instruct".to_string(), |n| n.into_inner()),
+            http,
+            kv_pages: int(&s.kv_pages, "serving.kv_pages", 4, 1 << 20, 512)? as usize,
+            kv_dtype,
+            page_size: int(&s.page_size, "serving.page_size", 1, 1024, 16)? as usize,
+            threads: int(&s.threads, "serving.threads", 1, 256, 1)? as usize,
+            max_batch_tokens: int(
+                &s.max_batch_tokens,
+                "serving.max_batch_tokens",
+                1,
+                1 << 16,
+                256,
+            )? as usize,
+            max_running: int(&s.max_running, "serving.max_running", 1, 4096, 64)? as usize,
+            load_interval: Duration::from_millis(int(
+                &s.load_interval_ms,
+                "serving.load_interval_ms",
+                10,
+                60_000,
+                100,
+            )?),
+            request_timeout: Duration::from_secs(int(
+                &s.request_timeout_secs,
+                "serving.request_timeout_secs",
+                1,
+                86_400,
+                600,
+            )?),
+        })
+    }
+}
