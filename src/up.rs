@@ -189,8 +189,19 @@ pub async fn run(config_path: &Path) -> ExitCode {
         .iter()
         .map(|n| format!("{}=http://{}", n.name, n.admin))
         .collect();
+    // The OpenAI-compatible base URL, when the cluster has a router.
+    let url = duet_actors::settings::ServingConfig::from_cluster(&config)
+        .ok()
+        .filter(|_| {
+            config
+                .nodes
+                .iter()
+                .any(|n| n.role == duet_runtime::config::Role::Router)
+        })
+        .map(|s| format!("http://{} ", s.http))
+        .unwrap_or_default();
     println!(
-        "ready cluster={} nodes={} admin={}",
+        "ready {url}cluster={} nodes={} admin={}",
         config.name,
         config.nodes.len(),
         admins.join(",")

@@ -121,4 +121,6 @@ pub struct LoadReport {
     pub total_pages: usize,
     /// Pages with a pin (transfers in flight).
     pub pinned_pages: usize,
+    /// Pages held only by the prefix cache (reclaimable at once).
+    pub cached_pages: usize,
 }

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use duet_engine::{Engine, EngineOptions, Model, Runner, fetch};
 use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
+use duet_runtime::metrics as m;
 use duet_runtime::services::{Inbound, IntoInbound};
 use duet_runtime::wire;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -96,6 +97,7 @@ impl Actor for WorkerActor {
             free_pages: runner.engine.pool.alloc.free_pages(),
             total_pages: runner.engine.pool.capacity(),
             pinned_pages: 0,
+            cached_pages: 0,
         }));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
@@ -306,6 +308,7 @@ fn publish_load(runner: &Runner, load: &Mutex<LoadReport>) {
     l.running = running;
     l.free_pages = stats.free;
     l.pinned_pages = stats.pinned;
+    l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
 }
 
 /// Sends each step's items to the routers that own them, one envelope per router per step.
@@ -362,6 +365,12 @@ async fn report_load(
     loop {
         tick.tick().await;
         let report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        metrics::gauge!(m::KV_PAGES_TOTAL).set(report.total_pages as f64);
+        metrics::gauge!(m::KV_PAGES_FREE).set(report.free_pages as f64);
+        metrics::gauge!(m::KV_PAGES_CACHED).set(report.cached_pages as f64);
+        metrics::gauge!(m::KV_PAGES_PINNED).set(report.pinned_pages as f64);
+        metrics::gauge!(m::SEQS_RUNNING).set(report.running as f64);
+        metrics::gauge!(m::SEQS_WAITING).set(report.waiting as f64);
         let body = wire::encode_body(&report);
         for r in &routers {
             if let Ok(link) = ctx.links.get(r) {

@@ -181,6 +181,15 @@ impl PrefixCache {
         freed
     }
 
+    /// Pages that only the cache references (what `evict` could free now).
+    pub fn evictable(&self, alloc: &PageAllocator) -> usize {
+        self.nodes
+            .iter()
+            .flatten()
+            .filter(|n| alloc.refs(n.page) == 1 && alloc.pins(n.page) == 0)
+            .count()
+    }
+
     /// Drops every page nobody else holds (for shutdown and the "quiet pool" check).
     pub fn clear(&mut self, alloc: &mut PageAllocator) {
         self.evict(usize::MAX, alloc);

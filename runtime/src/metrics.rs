@@ -29,6 +29,22 @@ pub const PEER_UP: &str = "duet_peer_up";
 pub const PEER_TRANSITIONS: &str = "duet_peer_transitions_total";
 /// Admin API calls refused for a missing or wrong token.
 pub const ADMIN_UNAUTHORIZED: &str = "duet_admin_unauthorized_total";
+/// Requests the router retried on another worker (their worker was lost before a token).
+pub const ROUTER_RETRIES: &str = "duet_router_retries_total";
+/// Requests the router finished, by endpoint and outcome.
+pub const ROUTER_REQUESTS: &str = "duet_router_requests_total";
+/// KV pages in a worker's pool.
+pub const KV_PAGES_TOTAL: &str = "duet_kv_pages_total";
+/// KV pages on the free list.
+pub const KV_PAGES_FREE: &str = "duet_kv_pages_free";
+/// KV pages held only by the prefix cache (reclaimable at once).
+pub const KV_PAGES_CACHED: &str = "duet_kv_pages_cached";
+/// KV pages pinned by transfers.
+pub const KV_PAGES_PINNED: &str = "duet_kv_pages_pinned";
+/// Sequences running on a worker.
+pub const SEQS_RUNNING: &str = "duet_sequences_running";
+/// Sequences waiting on a worker.
+pub const SEQS_WAITING: &str = "duet_sequences_waiting";
 
 /// All names, for the duplicate check.
 pub const ALL: &[&str] = &[
@@ -44,6 +60,14 @@ pub const ALL: &[&str] = &[
     PEER_UP,
     PEER_TRANSITIONS,
     ADMIN_UNAUTHORIZED,
+    ROUTER_RETRIES,
+    ROUTER_REQUESTS,
+    KV_PAGES_TOTAL,
+    KV_PAGES_FREE,
+    KV_PAGES_CACHED,
+    KV_PAGES_PINNED,
+    SEQS_RUNNING,
+    SEQS_WAITING,
 ];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.

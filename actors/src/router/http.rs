@@ -293,6 +293,7 @@ impl Generation {
             if let Some(error) = item.error.clone() {
                 if self.tokens == 0 && self.tried.len() < 2 {
                     tracing::warn!(%error, "retrying on another worker before the first token");
+                    metrics::counter!(duet_runtime::metrics::ROUTER_RETRIES).increment(1);
                     match self
                         .shared
                         .start(&self.prompt, &self.params, &self.tried)
