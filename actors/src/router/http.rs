@@ -347,6 +347,25 @@ fn finish_str(f: Option<FinishReason>) -> Value {
 }
 
 async fn serve(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
+    let endpoint = if api == Api::Chat {
+        "chat"
+    } else {
+        "completions"
+    };
+    let response = serve_inner(s, api, prompt, c).await;
+    let outcome = if response.status().is_success() {
+        "ok"
+    } else if response.status().is_client_error() {
+        "client_error"
+    } else {
+        "server_error"
+    };
+    metrics::counter!(duet_runtime::metrics::ROUTER_REQUESTS, "endpoint" => endpoint, "outcome" => outcome)
+        .increment(1);
+    response
+}
+
+async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
     let params = match params(&s, prompt.len(), &c) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
