@@ -27,26 +27,51 @@ pub struct ClusterDir {
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     pub nodes: Vec<(String, String, u16)>,
+    /// The router's HTTP port (used when `extra` has no `[serving]` table of its own).
+    pub http: u16,
 }
 
 impl ClusterDir {
-    /// Nodes `(name, role)` on fresh ports, plus `extra` TOML before the node tables.
+    /// Nodes `(name, role)` on fresh ports, plus `extra` TOML before the node tables. Unless
+    /// `extra` has its own `[serving]` table, the cluster serves the tiny model (written into
+    /// the folder) on a fresh HTTP port: runtime tests get real serving actors that load in
+    /// milliseconds.
     pub fn new(nodes: &[(&str, &str)], extra: &str) -> ClusterDir {
         let dir = tempfile::tempdir().expect("tempdir");
+        let mut ports = free_ports(nodes.len() + 1);
+        let http = ports.pop().expect("a port");
         let nodes: Vec<(String, String, u16)> = nodes
             .iter()
-            .zip(free_ports(nodes.len()))
+            .zip(ports)
             .map(|((n, r), port)| (n.to_string(), r.to_string(), port))
             .collect();
+        std::fs::write(
+            dir.path().join("tiny.gguf"),
+            duet_engine::tiny::tiny_model_bytes(1),
+        )
+        .expect("tiny model");
         let config = dir.path().join("cluster.toml");
-        let me = ClusterDir { dir, config, nodes };
+        let me = ClusterDir {
+            dir,
+            config,
+            nodes,
+            http,
+        };
         me.write("cluster.toml", extra);
         me
     }
 
     /// Writes another cluster file over the same nodes (for a node with other credentials).
     pub fn write(&self, file: &str, extra: &str) -> PathBuf {
-        let mut text = format!("[cluster]\nname = \"test\"\n{extra}\n");
+        let serving = if extra.contains("[serving]") {
+            String::new()
+        } else {
+            format!(
+                "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{}\"\nkv_pages = 32\n",
+                self.http
+            )
+        };
+        let mut text = format!("[cluster]\nname = \"test\"\n{serving}{extra}\n");
         for (name, role, port) in &self.nodes {
             text.push_str(&format!(
                 "[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"127.0.0.1:{port}\"\n\n"
