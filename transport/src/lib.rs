@@ -4,10 +4,14 @@
 //!   destination pins, publication only on completion, quarantine until drained. Every backend
 //!   goes through it.
 //!
-//! The backends (`local`, `shm`, `tcp`) that move runs of pages between pools come with the
-//! disaggregation work; the ledger's rules are settled first, under property tests.
+//! - [`shm`]: shared-memory regions (same host: the decode pool mapped by prefill).
+//! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
+//!
+//! The `KvTransport` trait that puts pools behind these comes with the disaggregation actors.
 
 pub mod ledger;
+pub mod shm;
+pub mod tcp;
 
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,

@@ -1,0 +1,162 @@
+//! Shared-memory regions: a decode pool that a prefill process on the same host maps and
+//! writes at memcpy speed.
+//!
+//! The region is a file under `/dev/shm` mapped by both processes. Writes land with plain
+//! copies; who may write which bytes is decided by the transfer ledger (a destination page is
+//! written only while its attempt is active, and read by decode only once published), so the
+//! mapping itself carries no locks.
+
+#![allow(unsafe_code)] // file mappings; the safety argument is on each `unsafe` block
+
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+
+use memmap2::MmapMut;
+
+/// A shared-memory transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// Creating, sizing or mapping the file failed.
+    #[error("shared memory {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A write outside the region.
+    #[error("a write of {len} bytes at {offset} does not fit a region of {size} bytes")]
+    OutOfBounds {
+        /// Where.
+        offset: usize,
+        /// How much.
+        len: usize,
+        /// The region's size.
+        size: usize,
+    },
+}
+
+/// A mapped shared-memory region.
+pub struct ShmRegion {
+    path: PathBuf,
+    map: MmapMut,
+    owner: bool,
+}
+
+impl std::fmt::Debug for ShmRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmRegion")
+            .field("path", &self.path)
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+fn shm_path(name: &str) -> PathBuf {
+    PathBuf::from("/dev/shm").join(format!("duet-{name}"))
+}
+
+impl ShmRegion {
+    /// Creates a zeroed region of `len` bytes named `name` (removed when this owner drops).
+    pub fn create(name: &str, len: usize) -> Result<ShmRegion, ShmError> {
+        let path = shm_path(name);
+        let io = |source| ShmError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io)?;
+        file.set_len(len as u64).map_err(io)?;
+        // SAFETY: we just created the file (create_new), so nothing else has it mapped with
+        // other expectations; other processes map it only to write pages the ledger grants.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        Ok(ShmRegion {
+            path,
+            map,
+            owner: true,
+        })
+    }
+
+    /// Maps an existing region created by another process.
+    pub fn open(name: &str) -> Result<ShmRegion, ShmError> {
+        let path = shm_path(name);
+        let io = |source| ShmError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io)?;
+        // SAFETY: the region is a Duet pool file; its size is fixed by its creator and every
+        // writer keeps to the byte ranges the ledger grants it.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        Ok(ShmRegion {
+            path,
+            map,
+            owner: false,
+        })
+    }
+
+    /// The region's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The region's bytes, writable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        let size = self.map.len();
+        let end =
+            offset
+                .checked_add(src.len())
+                .filter(|e| *e <= size)
+                .ok_or(ShmError::OutOfBounds {
+                    offset,
+                    len: src.len(),
+                    size,
+                })?;
+        self.map[offset..end].copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl Drop for ShmRegion {
+    fn drop(&mut self) {
+        if self.owner {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_mapping_sees_the_writes() {
+        let name = format!("test-{}", std::process::id());
+        let mut owner = ShmRegion::create(&name, 1 << 16).unwrap();
+        let mut writer = ShmRegion::open(&name).unwrap();
+        writer.write(4096, &[7u8; 100]).unwrap();
+        assert_eq!(&owner.bytes()[4096..4196], &[7u8; 100]);
+        assert!(writer.write((1 << 16) - 10, &[1u8; 11]).is_err());
+        owner.bytes_mut()[0] = 1;
+        assert_eq!(writer.bytes()[0], 1);
+        drop(writer);
+        drop(owner);
+        assert!(
+            ShmRegion::open(&name).is_err(),
+            "the owner removes the file"
+        );
+    }
+}

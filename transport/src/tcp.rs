@@ -1,0 +1,212 @@
+//! KV over TCP between hosts: runs of pages on one connection per (prefill, decode) pair,
+//! landing directly in the destination region (no intermediate buffer).
+//!
+//! Frames: a 24-byte header (`kind u32, attempt u64, offset u64, len u32`, little-endian) then
+//! `len` payload bytes for data frames. A fence frame is answered with one byte once every
+//! earlier frame has landed, which is what lets the ledger drop pins after an abort. Anything
+//! out of bounds or unknown is a typed error and ends the connection.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+
+/// Frame kinds.
+const DATA: u32 = 1;
+const FENCE: u32 = 2;
+const CLOSE: u32 = 3;
+/// Header bytes.
+const HEADER: usize = 24;
+/// The fence acknowledgement.
+const ACK: u8 = 0xA5;
+
+/// A TCP transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TcpError {
+    /// Socket error.
+    #[error("kv over tcp: {0}")]
+    Io(#[from] std::io::Error),
+    /// A data frame outside the destination region.
+    #[error("a frame of {len} bytes at {offset} does not fit the destination of {size} bytes")]
+    OutOfBounds {
+        /// Where.
+        offset: u64,
+        /// How much.
+        len: u32,
+        /// The destination's size.
+        size: usize,
+    },
+    /// An unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u32),
+    /// A fence answered with something else.
+    #[error("bad fence acknowledgement {0:#x}")]
+    BadAck(u8),
+}
+
+/// The sending side of one pair's connection.
+#[derive(Debug)]
+pub struct TcpSender {
+    stream: TcpStream,
+}
+
+impl TcpSender {
+    /// Connects to a receiver.
+    pub fn connect(addr: SocketAddr) -> Result<TcpSender, TcpError> {
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(TcpSender { stream })
+    }
+
+    fn header(kind: u32, attempt: u64, offset: u64, len: u32) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[4..12].copy_from_slice(&attempt.to_le_bytes());
+        h[12..20].copy_from_slice(&offset.to_le_bytes());
+        h[20..24].copy_from_slice(&len.to_le_bytes());
+        h
+    }
+
+    /// Sends `bytes` to land at `offset` of the destination, for `attempt`.
+    pub fn write(&mut self, attempt: u64, offset: u64, bytes: &[u8]) -> Result<(), TcpError> {
+        for (i, chunk) in bytes.chunks(u32::MAX as usize).enumerate() {
+            let at = offset + (i as u64) * u64::from(u32::MAX);
+            self.stream
+                .write_all(&Self::header(DATA, attempt, at, chunk.len() as u32))?;
+            self.stream.write_all(chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Returns once every earlier write has landed in the destination.
+    pub fn fence(&mut self, attempt: u64) -> Result<(), TcpError> {
+        self.stream.write_all(&Self::header(FENCE, attempt, 0, 0))?;
+        let mut ack = [0u8; 1];
+        self.stream.read_exact(&mut ack)?;
+        match ack[0] {
+            ACK => Ok(()),
+            other => Err(TcpError::BadAck(other)),
+        }
+    }
+
+    /// Ends the connection in order.
+    pub fn close(mut self) -> Result<(), TcpError> {
+        self.stream.write_all(&Self::header(CLOSE, 0, 0, 0))?;
+        Ok(())
+    }
+}
+
+/// What a receiver took in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Received {
+    /// Payload bytes written into the destination.
+    pub bytes: u64,
+    /// Data frames.
+    pub frames: u64,
+    /// Fences answered.
+    pub fences: u64,
+}
+
+/// Serves one connection, writing every data frame straight into `dest`, until the sender
+/// closes. `on_frame(attempt, offset, len)` is called after each frame lands (the hook the
+/// ledger's progress tracking uses).
+pub fn receive(
+    mut stream: TcpStream,
+    dest: &mut [u8],
+    mut on_frame: impl FnMut(u64, u64, u32),
+) -> Result<Received, TcpError> {
+    stream.set_nodelay(true)?;
+    let mut got = Received::default();
+    let mut h = [0u8; HEADER];
+    loop {
+        match stream.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(got),
+            Err(e) => return Err(e.into()),
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut b = [0u8; 8];
+            b[..r.len()].copy_from_slice(&h[r]);
+            u64::from_le_bytes(b)
+        };
+        let (kind, attempt, offset, len) = (
+            word(0..4) as u32,
+            word(4..12),
+            word(12..20),
+            word(20..24) as u32,
+        );
+        match kind {
+            DATA => {
+                let size = dest.len();
+                let range = usize::try_from(offset)
+                    .ok()
+                    .and_then(|o| o.checked_add(len as usize).map(|e| o..e))
+                    .filter(|r| r.end <= size)
+                    .ok_or(TcpError::OutOfBounds { offset, len, size })?;
+                stream.read_exact(&mut dest[range])?;
+                got.bytes += u64::from(len);
+                got.frames += 1;
+                on_frame(attempt, offset, len);
+            }
+            FENCE => {
+                stream.write_all(&[ACK])?;
+                got.fences += 1;
+            }
+            CLOSE => return Ok(got),
+            other => return Err(TcpError::UnknownKind(other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    #[test]
+    fn runs_land_in_place_and_fences_wait_for_them() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut dest = vec![0u8; 1 << 20];
+            let mut seen = Vec::new();
+            let got = receive(stream, &mut dest, |a, o, l| seen.push((a, o, l))).unwrap();
+            (dest, got, seen)
+        });
+        let mut s = TcpSender::connect(addr).unwrap();
+        s.write(7, 4096, &[1u8; 8192]).unwrap();
+        s.write(7, 65536, &[2u8; 100]).unwrap();
+        s.fence(7).unwrap();
+        s.close().unwrap();
+        let (dest, got, seen) = receiver.join().unwrap();
+        assert_eq!(
+            got,
+            Received {
+                bytes: 8292,
+                frames: 2,
+                fences: 1
+            }
+        );
+        assert!(dest[4096..12288].iter().all(|b| *b == 1));
+        assert!(dest[65536..65636].iter().all(|b| *b == 2));
+        assert_eq!(dest[4095], 0);
+        assert_eq!(seen, vec![(7, 4096, 8192), (7, 65536, 100)]);
+    }
+
+    #[test]
+    fn out_of_bounds_frames_are_errors() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut dest = vec![0u8; 1024];
+            receive(stream, &mut dest, |_, _, _| {})
+        });
+        let mut s = TcpSender::connect(addr).unwrap();
+        let _ = s.write(1, 1000, &[9u8; 100]);
+        assert!(matches!(
+            receiver.join().unwrap(),
+            Err(TcpError::OutOfBounds { .. })
+        ));
+    }
+}
