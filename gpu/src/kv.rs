@@ -156,6 +156,9 @@ pub enum PoolError {
     /// The page has no pin to remove.
     #[error("page {0} is not pinned")]
     NotPinned(PageId),
+    /// Memory given for the pool is too small or misaligned.
+    #[error("unusable pool memory: {0}")]
+    BadMemory(String),
     /// The pool would not fit in memory.
     #[error("a pool of {pages} pages of {page_bytes} bytes is too large")]
     TooLarge {
@@ -308,11 +311,23 @@ impl PageAllocator {
     }
 }
 
-/// The stored elements.
+/// Memory a pool can live in instead of the heap, such as a shared-memory region that a
+/// transport maps into another process. It must be 8-byte aligned and at least as long as the
+/// pool; [`KvPool::with_memory`] checks both.
+pub trait KvMemory: Send + Sync + std::fmt::Debug {
+    /// The memory as bytes.
+    fn bytes(&self) -> &[u8];
+    /// The memory as writable bytes.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+/// Where the elements are stored: always bytes, viewed as f16 or f32 per the layout.
 #[derive(Debug)]
 enum Storage {
-    F16(Vec<f16>),
-    F32(Vec<f32>),
+    /// Heap memory (u64 words, so every view is aligned).
+    Heap(Vec<u64>),
+    /// Memory given by the caller.
+    External(Box<dyn KvMemory>),
 }
 
 /// Read access to one layer's K or V block of a page.
@@ -329,31 +344,55 @@ pub enum BlockView<'a> {
 pub struct KvPool {
     layout: KvLayout,
     storage: Storage,
+    len: usize,
     /// Page references and pins.
     pub alloc: PageAllocator,
 }
 
 impl KvPool {
-    /// Allocates `n_pages` pages of `layout`, zeroed, once.
+    /// Allocates `n_pages` pages of `layout` on the heap, zeroed, once.
     pub fn new(layout: KvLayout, n_pages: usize) -> Result<KvPool, PoolError> {
-        let too_large = PoolError::TooLarge {
-            pages: n_pages,
-            page_bytes: layout.page_bytes(),
-        };
-        let elems = layout
-            .page_elems()
-            .checked_mul(n_pages)
-            .filter(|e| e.saturating_mul(layout.dtype.size()) <= isize::MAX as usize)
-            .ok_or(too_large)?;
-        let storage = match layout.dtype {
-            KvDtype::F16 => Storage::F16(vec![f16::ZERO; elems]),
-            KvDtype::F32 => Storage::F32(vec![0.0; elems]),
-        };
+        let len = Self::pool_bytes(&layout, n_pages)?;
         Ok(KvPool {
             layout,
-            storage,
+            storage: Storage::Heap(vec![0u64; len.div_ceil(8)]),
+            len,
             alloc: PageAllocator::new(n_pages),
         })
+    }
+
+    /// A pool of `n_pages` pages of `layout` in `memory` (whose contents are kept).
+    pub fn with_memory(
+        layout: KvLayout,
+        n_pages: usize,
+        memory: Box<dyn KvMemory>,
+    ) -> Result<KvPool, PoolError> {
+        let len = Self::pool_bytes(&layout, n_pages)?;
+        let bytes = memory.bytes();
+        if bytes.len() < len || !(bytes.as_ptr() as usize).is_multiple_of(8) {
+            return Err(PoolError::BadMemory(format!(
+                "{} bytes at {:p}: the pool needs {len} bytes, 8-byte aligned",
+                bytes.len(),
+                bytes.as_ptr()
+            )));
+        }
+        Ok(KvPool {
+            layout,
+            storage: Storage::External(memory),
+            len,
+            alloc: PageAllocator::new(n_pages),
+        })
+    }
+
+    fn pool_bytes(layout: &KvLayout, n_pages: usize) -> Result<usize, PoolError> {
+        layout
+            .page_bytes()
+            .checked_mul(n_pages)
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or(PoolError::TooLarge {
+                pages: n_pages,
+                page_bytes: layout.page_bytes(),
+            })
     }
 
     /// The pool's layout.
@@ -371,8 +410,13 @@ impl KvPool {
         let d = self.layout.kv_dim();
         let ko = self.layout.slot_offset(page, layer, false, slot);
         let vo = self.layout.slot_offset(page, layer, true, slot);
-        match &mut self.storage {
-            Storage::F16(s) => {
+        let dtype = self.layout.dtype;
+        let bytes = self.bytes_mut();
+        // The casts cannot fail: the storage is 8-byte aligned and a whole number of elements
+        // (checked at construction).
+        match dtype {
+            KvDtype::F16 => {
+                let s: &mut [f16] = bytemuck::cast_slice_mut(bytes);
                 for (dst, src) in s[ko..ko + d].iter_mut().zip(k) {
                     *dst = f16::from_f32(*src);
                 }
@@ -380,7 +424,8 @@ impl KvPool {
                     *dst = f16::from_f32(*src);
                 }
             }
-            Storage::F32(s) => {
+            KvDtype::F32 => {
+                let s: &mut [f32] = bytemuck::cast_slice_mut(bytes);
                 s[ko..ko + d].copy_from_slice(&k[..d]);
                 s[vo..vo + d].copy_from_slice(&v[..d]);
             }
@@ -391,25 +436,30 @@ impl KvPool {
     pub fn block(&self, page: PageId, layer: usize, v: bool) -> BlockView<'_> {
         let start = self.layout.slot_offset(page, layer, v, 0);
         let end = start + self.layout.block_elems();
-        match &self.storage {
-            Storage::F16(s) => BlockView::F16(&s[start..end]),
-            Storage::F32(s) => BlockView::F32(&s[start..end]),
+        match self.layout.dtype {
+            KvDtype::F16 => {
+                BlockView::F16(&bytemuck::cast_slice::<u8, f16>(self.bytes())[start..end])
+            }
+            KvDtype::F32 => {
+                BlockView::F32(&bytemuck::cast_slice::<u8, f32>(self.bytes())[start..end])
+            }
         }
     }
 
     /// The whole pool as bytes (for transports; ranges from [`KvLayout`]).
     pub fn bytes(&self) -> &[u8] {
         match &self.storage {
-            Storage::F16(s) => bytemuck::cast_slice(s),
-            Storage::F32(s) => bytemuck::cast_slice(s),
+            Storage::Heap(words) => &bytemuck::cast_slice(words)[..self.len],
+            Storage::External(m) => &m.bytes()[..self.len],
         }
     }
 
     /// The whole pool as writable bytes.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
         match &mut self.storage {
-            Storage::F16(s) => bytemuck::cast_slice_mut(s),
-            Storage::F32(s) => bytemuck::cast_slice_mut(s),
+            Storage::Heap(words) => &mut bytemuck::cast_slice_mut(words)[..len],
+            Storage::External(m) => &mut m.bytes_mut()[..len],
         }
     }
 }
@@ -447,6 +497,30 @@ mod tests {
         // K block then V block; slot 3 is the last of each.
         assert_eq!(&floats[24..32], &k);
         assert_eq!(&floats[56..64], &v);
+    }
+
+    #[derive(Debug)]
+    struct Words(Vec<u64>);
+
+    impl KvMemory for Words {
+        fn bytes(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            bytemuck::cast_slice_mut(&mut self.0)
+        }
+    }
+
+    #[test]
+    fn a_pool_can_live_in_given_memory() {
+        let l = layout();
+        let mut pool =
+            KvPool::with_memory(l, 4, Box::new(Words(vec![0; l.page_bytes() * 4 / 8]))).unwrap();
+        pool.write_token(3, 1, 2, &[5.0; 8], &[6.0; 8]);
+        let floats: &[f32] = bytemuck::cast_slice(&pool.bytes()[l.layer_bytes(3, 1)]);
+        assert_eq!(&floats[16..24], &[5.0; 8]);
+        let small = KvPool::with_memory(l, 4, Box::new(Words(vec![0; 8])));
+        assert!(matches!(small, Err(PoolError::BadMemory(_))));
     }
 
     #[test]

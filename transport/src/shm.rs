@@ -130,6 +130,16 @@ impl ShmRegion {
     }
 }
 
+impl duet_gpu::KvMemory for ShmRegion {
+    fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+}
+
 impl Drop for ShmRegion {
     fn drop(&mut self) {
         if self.owner {
@@ -158,5 +168,26 @@ mod tests {
             ShmRegion::open(&name).is_err(),
             "the owner removes the file"
         );
+    }
+
+    #[test]
+    fn a_kv_pool_in_shared_memory_is_visible_to_a_second_mapping() {
+        use duet_gpu::{KvDtype, KvLayout, KvPool};
+        let layout = KvLayout {
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+            page_size: 4,
+            dtype: KvDtype::F16,
+        };
+        let name = format!("pool-{}", std::process::id());
+        let region = ShmRegion::create(&name, layout.page_bytes() * 8).unwrap();
+        let mut pool = KvPool::with_memory(layout, 8, Box::new(region)).unwrap();
+        let peer = ShmRegion::open(&name).unwrap();
+        pool.write_token(5, 1, 3, &[1.5; 16], &[2.5; 16]);
+        // The other mapping sees the token at the layout's byte offsets.
+        let range = layout.layer_bytes(5, 1);
+        assert_eq!(&peer.bytes()[range.clone()], &pool.bytes()[range.clone()]);
+        assert!(peer.bytes()[range].iter().any(|b| *b != 0));
     }
 }
