@@ -19,8 +19,14 @@ fn real_model() -> PathBuf {
     fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
 }
 
-/// A virtual environment with the `openai` package, made once per target directory.
+/// A virtual environment with the `openai` package, made once per target directory (and once
+/// per test process: the tests of this file would otherwise race to create it).
 async fn openai_python() -> PathBuf {
+    static PYTHON: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    PYTHON.get_or_init(make_openai_python).await.clone()
+}
+
+async fn make_openai_python() -> PathBuf {
     let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
     let python = venv.join("bin/python");
     let ok = tokio::process::Command::new(&python)
