@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use duet_runtime::config::ClusterConfig;
 use duet_runtime::credentials::Credentials;
-use duet_runtime::node::{READY_MARKER, shutdown_signal};
+use duet_runtime::node::{READY_MARKER, ShutdownSignals};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -43,6 +43,7 @@ struct Proc {
 
 /// Runs `duet up`.
 pub async fn run(config_path: &Path) -> ExitCode {
+    let mut signals = ShutdownSignals::new();
     let config = match ClusterConfig::load(config_path) {
         Ok(c) => c,
         Err(e) => {
@@ -187,7 +188,7 @@ pub async fn run(config_path: &Path) -> ExitCode {
                 stop_all(&mut procs, &mut rx).await;
                 return ExitCode::FAILURE;
             }
-            _ = shutdown_signal() => {
+            _ = signals.recv() => {
                 progress.clear().ok();
                 stop_all(&mut procs, &mut rx).await;
                 return ExitCode::SUCCESS;
@@ -233,7 +234,7 @@ pub async fn run(config_path: &Path) -> ExitCode {
                 Some(Event::Ready(_)) => {}
                 None => return ExitCode::FAILURE,
             },
-            _ = shutdown_signal() => {
+            _ = signals.recv() => {
                 eprintln!("draining {} nodes", procs.iter().filter(|p| p.running).count());
                 stop_all(&mut procs, &mut rx).await;
                 return ExitCode::SUCCESS;

@@ -78,6 +78,7 @@ pub struct Node {
     admin_server: JoinHandle<()>,
     shutdown: watch::Receiver<bool>,
     shutdown_tx: watch::Sender<bool>,
+    signals: ShutdownSignals,
 }
 
 /// How a node's run ended.
@@ -102,6 +103,7 @@ impl Node {
         name: &str,
         role_children: &dyn Fn(&Arc<NodeContext>) -> Vec<ChildSpec>,
     ) -> Result<Node, NodeError> {
+        let signals = ShutdownSignals::new();
         let me = config
             .node(name)
             .cloned()
@@ -193,6 +195,7 @@ impl Node {
             admin_server,
             shutdown,
             shutdown_tx,
+            signals,
         })
     }
 
@@ -209,7 +212,7 @@ impl Node {
     /// Runs until a signal, an admin shutdown, or the root supervisor giving up; then drains.
     pub async fn run(mut self) -> Exit {
         let exit = tokio::select! {
-            _ = shutdown_signal() => Exit::Drained,
+            _ = self.signals.recv() => Exit::Drained,
             _ = self.shutdown.wait_for(|s| *s) => Exit::Drained,
             _ = &mut self.root_done => Exit::RootEscalated,
         };
@@ -301,21 +304,53 @@ fn bind_reason(e: &std::io::Error) -> String {
     }
 }
 
-/// Resolves on SIGTERM or Ctrl-C (SIGINT).
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// SIGTERM and SIGINT (Ctrl-C), listened to from creation on.
+///
+/// Create it before the process announces itself: a signal that arrives while no listener
+/// exists is lost once tokio's handler is installed, so a fresh listener per wait would drop a
+/// SIGTERM sent right after "ready".
+pub struct ShutdownSignals {
+    term: Option<tokio::signal::unix::Signal>,
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignals {
+    /// Starts listening.
+    pub fn new() -> ShutdownSignals {
+        use tokio::signal::unix::{SignalKind, signal};
+        ShutdownSignals {
+            term: signal(SignalKind::terminate()).ok(),
+            int: signal(SignalKind::interrupt()).ok(),
         }
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+    }
+
+    /// Resolves on the next SIGTERM or SIGINT (including one that arrived since the last call).
+    pub async fn recv(&mut self) {
+        let term = async {
+            match self.term.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        let int = async {
+            match self.int.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = term => {}
+            _ = int => {}
+        }
+    }
+}
+
+impl Default for ShutdownSignals {
+    fn default() -> Self {
+        ShutdownSignals::new()
     }
 }
