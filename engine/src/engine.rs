@@ -287,22 +287,29 @@ fn forward(
                 &v[i * kv_dim..(i + 1) * kv_dim],
             );
         }
+        // One work item per (token, KV head): a single decode token still spreads its heads
+        // over the threads; the bits do not depend on the split.
         let pool_ref: &KvPool = pool;
-        attn.par_chunks_mut(c.dim)
-            .zip(q.par_chunks(c.dim))
-            .zip(toks.par_iter())
-            .for_each_init(AttnScratch::default, |scratch, ((out, qt), tr)| {
+        let group_width = (c.n_heads / c.n_kv_heads) * c.head_dim;
+        attn.par_chunks_mut(group_width).enumerate().for_each_init(
+            AttnScratch::default,
+            |scratch, (i, out)| {
+                let (tok, g) = (i / c.n_kv_heads, i % c.n_kv_heads);
+                let tr = &toks[tok];
+                let qt = &q[tok * c.dim..(tok + 1) * c.dim];
                 attend(
                     pool_ref,
                     li,
                     shape,
+                    g..g + 1,
                     qt,
                     tr.pos,
                     chunks[tr.chunk].pages,
                     out,
                     scratch,
                 );
-            });
+            },
+        );
         mm(model.w(&layer.wo), &attn, &mut o);
         add_assign(&mut x, &o);
 

@@ -29,12 +29,15 @@ pub struct AttnScratch {
     kv: Vec<f32>,
 }
 
-/// `out` (all query heads) = attention of `q` (all query heads, already rotated) at `pos`.
+/// `out` = attention of `q` (all query heads, already rotated) at `pos`, for the query heads of
+/// KV heads `kv_heads` (`out` holds exactly those heads). Splitting a token's heads between
+/// threads changes no bit: each head's computation is independent.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     pool: &KvPool,
     layer: usize,
     shape: AttnShape,
+    kv_heads: std::ops::Range<usize>,
     q: &[f32],
     pos: usize,
     pages: &[PageId],
@@ -57,8 +60,9 @@ pub fn attend(
                     BlockView::F32(_) => std::ptr::null(),
                 };
                 // SAFETY: head_dim is a multiple of 16 and at most 256, the group at most 64,
-                // the page table covers `pos` (checked by the engine), every block of this pool
-                // is f16 and `page_size * kv_dim` long; `isa()` detected AVX-512F and F16C.
+                // the page table covers `pos` (checked by the engine), `kv_heads` is within the
+                // layout and `out` holds exactly their query heads, every block of this pool is
+                // f16 and `page_size * kv_dim` long; `isa()` detected AVX-512F and F16C.
                 unsafe {
                     super::avx512::attend(
                         &blocks,
@@ -67,6 +71,7 @@ pub fn attend(
                         h,
                         g,
                         d,
+                        kv_heads.clone(),
                         q,
                         pos,
                         &mut scratch.scores,
@@ -88,6 +93,7 @@ pub fn attend(
                         h,
                         g,
                         d,
+                        kv_heads.clone(),
                         q,
                         pos,
                         &mut scratch.scores,
@@ -99,7 +105,7 @@ pub fn attend(
         return;
     }
     crate::dispatch!(attend_kernel(
-        pool, layer, shape, q, pos, pages, out, scratch
+        pool, layer, shape, kv_heads, q, pos, pages, out, scratch
     ))
 }
 
@@ -109,6 +115,7 @@ fn attend_kernel(
     pool: &KvPool,
     layer: usize,
     shape: AttnShape,
+    kv_heads: std::ops::Range<usize>,
     q: &[f32],
     pos: usize,
     pages: &[PageId],
@@ -128,7 +135,9 @@ fn attend_kernel(
     scratch.scores.resize(group * len, 0.0);
     scratch.kv.resize(head_dim, 0.0);
     out.fill(0.0);
-    for g in 0..n_kv_heads {
+    let base = kv_heads.start * group;
+    debug_assert!(kv_heads.end <= n_kv_heads);
+    for g in kv_heads {
         let heads = g * group..(g + 1) * group;
         // Scores for every query head of this KV head.
         for j in 0..len {
@@ -165,13 +174,13 @@ fn attend_kernel(
             );
             for (hi, h) in heads.clone().enumerate() {
                 let p = scratch.scores[hi * len + j];
-                let o = &mut out[h * head_dim..(h + 1) * head_dim];
+                let o = &mut out[(h - base) * head_dim..(h - base + 1) * head_dim];
                 axpy(o, p, &scratch.kv);
             }
         }
         for (hi, h) in heads.enumerate() {
             let inv = 1.0 / sums[hi];
-            for v in &mut out[h * head_dim..(h + 1) * head_dim] {
+            for v in &mut out[(h - base) * head_dim..(h - base + 1) * head_dim] {
                 *v *= inv;
             }
         }
@@ -277,10 +286,36 @@ mod tests {
         for pos in [0, 3, 4, 18] {
             let q = random(6 * 32, 1000 + pos as u64);
             let mut out = vec![0f32; 6 * 32];
-            attend(&pool, 1, shape, &q, pos, &pages, &mut out, &mut scratch);
+            attend(
+                &pool,
+                1,
+                shape,
+                0..2,
+                &q,
+                pos,
+                &pages,
+                &mut out,
+                &mut scratch,
+            );
             let expect = naive(&q, &ks[..=pos], &vs[..=pos], shape);
             let mut generic = vec![0f32; 6 * 32];
-            attend_kernel(&pool, 1, shape, &q, pos, &pages, &mut generic, &mut scratch);
+            attend_kernel(
+                &pool,
+                1,
+                shape,
+                0..2,
+                &q,
+                pos,
+                &pages,
+                &mut generic,
+                &mut scratch,
+            );
+            // One KV head at a time gives the same bits.
+            let mut split = vec![0f32; 6 * 32];
+            let (first, second) = split.split_at_mut(3 * 32);
+            attend(&pool, 1, shape, 0..1, &q, pos, &pages, first, &mut scratch);
+            attend(&pool, 1, shape, 1..2, &q, pos, &pages, second, &mut scratch);
+            assert_eq!(split, out);
             assert_eq!(generic, out, "the portable kernel gives the same bits");
             for (a, b) in out.iter().zip(&expect) {
                 assert!((a - b).abs() < 1e-5, "pos {pos}: {a} vs {b}");

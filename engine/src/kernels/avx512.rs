@@ -348,19 +348,21 @@ pub unsafe fn attend<E: KvElem>(
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    kv_heads: std::ops::Range<usize>,
     q: &[f32],
     pos: usize,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let group = n_heads / n_kv_heads;
+    let base = kv_heads.start * group;
     let len = pos + 1;
     let chunks = head_dim / 16;
     let scale = 1.0 / (head_dim as f32).sqrt();
     scores.resize(group * len, 0.0);
     // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
     unsafe {
-        for g in 0..n_kv_heads {
+        for g in kv_heads {
             for hi in 0..group {
                 let h = g * group + hi;
                 let qh: [__m512; 16] = std::array::from_fn(|c| {
@@ -415,7 +417,7 @@ pub unsafe fn attend<E: KvElem>(
                 let inv = _mm512_set1_ps(1.0 / sums[hi]);
                 for c in 0..chunks {
                     _mm512_storeu_ps(
-                        out.as_mut_ptr().add(h * head_dim + c * 16),
+                        out.as_mut_ptr().add((h - base) * head_dim + c * 16),
                         _mm512_mul_ps(o[c], inv),
                     );
                 }
