@@ -50,63 +50,66 @@ pub fn attend(
         && shape.head_dim <= 256
         && shape.n_heads / shape.n_kv_heads <= 64
     {
-        let layout = pool.layout();
-        let (ps, kv_dim) = (layout.page_size, layout.kv_dim());
-        let (h, g, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
-        match pool.block(pages[0], layer, false) {
-            BlockView::F16(_) => {
-                let blocks = |i: usize, v: bool| match pool.block(pages[i], layer, v) {
-                    BlockView::F16(b) => b.as_ptr(),
-                    BlockView::F32(_) => std::ptr::null(),
-                };
-                // SAFETY: head_dim is a multiple of 16 and at most 256, the group at most 64,
-                // the page table covers `pos` (checked by the engine), `kv_heads` is within the
-                // layout and `out` holds exactly their query heads, every block of this pool is
-                // f16 and `page_size * kv_dim` long; `isa()` detected AVX-512F and F16C.
-                unsafe {
-                    super::avx512::attend(
-                        &blocks,
-                        ps,
-                        kv_dim,
-                        h,
-                        g,
-                        d,
-                        kv_heads.clone(),
-                        q,
-                        pos,
-                        &mut scratch.scores,
-                        out,
-                    )
-                };
-            }
-            BlockView::F32(_) => {
-                let blocks = |i: usize, v: bool| match pool.block(pages[i], layer, v) {
-                    BlockView::F32(b) => b.as_ptr(),
-                    BlockView::F16(_) => std::ptr::null(),
-                };
-                // SAFETY: as above, for an f32 pool.
-                unsafe {
-                    super::avx512::attend(
-                        &blocks,
-                        ps,
-                        kv_dim,
-                        h,
-                        g,
-                        d,
-                        kv_heads.clone(),
-                        q,
-                        pos,
-                        &mut scratch.scores,
-                        out,
-                    )
-                };
-            }
+        let args = (pool, layer, shape, kv_heads, q, pos, pages);
+        match pool.layout().dtype {
+            duet_gpu::KvDtype::F16 => attend_avx512(args, out, scratch, |b| match b {
+                BlockView::F16(s) => Some(s),
+                BlockView::F32(_) => None,
+            }),
+            duet_gpu::KvDtype::F32 => attend_avx512(args, out, scratch, |b| match b {
+                BlockView::F32(s) => Some(s),
+                BlockView::F16(_) => None,
+            }),
         }
         return;
     }
     crate::dispatch!(attend_kernel(
         pool, layer, shape, kv_heads, q, pos, pages, out, scratch
     ))
+}
+
+type AttendArgs<'a> = (
+    &'a KvPool,
+    usize,
+    AttnShape,
+    std::ops::Range<usize>,
+    &'a [f32],
+    usize,
+    &'a [PageId],
+);
+
+/// The AVX-512 kernel over a pool whose blocks `view` turns into slices of `E`.
+#[cfg(target_arch = "x86_64")]
+fn attend_avx512<E: super::avx512::KvElem>(
+    (pool, layer, shape, kv_heads, q, pos, pages): AttendArgs<'_>,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+    view: for<'b> fn(BlockView<'b>) -> Option<&'b [E]>,
+) {
+    let layout = pool.layout();
+    let blocks = |i: usize, v: bool| {
+        view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
+    };
+    // SAFETY: the caller checked that head_dim is a multiple of 16 and at most 256 and the
+    // group at most 64; the engine checked that the page table covers `pos`; `kv_heads` is
+    // within the layout and `out` holds exactly their query heads; `view` matches the pool's
+    // dtype, so every block pointer is a whole `page_size * kv_dim` block; `isa()` detected
+    // AVX-512F and F16C.
+    unsafe {
+        super::avx512::attend(
+            &blocks,
+            layout.page_size,
+            layout.kv_dim(),
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.head_dim,
+            kv_heads,
+            q,
+            pos,
+            &mut scratch.scores,
+            out,
+        )
+    }
 }
 
 #[inline(always)]
