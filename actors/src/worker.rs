@@ -16,7 +16,7 @@ use duet_engine::{Engine, EngineOptions, Model, Runner, fetch};
 use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
 use duet_runtime::metrics as m;
-use duet_runtime::services::{Inbound, IntoInbound};
+use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
@@ -36,17 +36,7 @@ pub struct WorkerActor;
 #[derive(Debug)]
 pub struct WorkerMsg(Inbound);
 
-impl From<Inbound> for WorkerMsg {
-    fn from(i: Inbound) -> Self {
-        WorkerMsg(i)
-    }
-}
-
-impl IntoInbound for WorkerMsg {
-    fn into_inbound(self) -> Option<Inbound> {
-        Some(self.0)
-    }
-}
+duet_runtime::inbound_message!(struct WorkerMsg);
 
 enum EngineCmd {
     Submit { router: String, generate: Generate },

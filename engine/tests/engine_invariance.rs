@@ -1,6 +1,9 @@
 //! Batch invariance and paging on the tiny model: chunked prefill, page boundaries, batching
 //! and position in the batch never change a single bit of the logits.
 
+mod common;
+
+use common::argmax;
 use duet_engine::gguf::Gguf;
 use duet_engine::{Engine, EngineOptions, Model, SeqChunk, tiny};
 use duet_gpu::KvDtype;
@@ -34,22 +37,8 @@ fn run(e: &mut Engine, tokens: &[u32], chunk: usize, decode: usize) -> Vec<Vec<f
         .alloc
         .alloc(e.pool.layout().pages_for(tokens.len() + decode))
         .expect("pages");
-    let mut last = None;
-    let mut pos = 0;
-    while pos < tokens.len() {
-        let end = (pos + chunk).min(tokens.len());
-        let out = e
-            .step(&[SeqChunk {
-                tokens: &tokens[pos..end],
-                start_pos: pos,
-                pages: &pages,
-                want_logits: end == tokens.len(),
-            }])
-            .expect("prefill");
-        last = out.into_iter().next().flatten();
-        pos = end;
-    }
-    let mut all = vec![last.expect("logits")];
+    let first = common::prefill_chunked(e, tokens, &pages, chunk);
+    let mut all = vec![first];
     for i in 0..decode {
         let next = argmax(all.last().expect("logits"));
         let out = e
@@ -64,12 +53,6 @@ fn run(e: &mut Engine, tokens: &[u32], chunk: usize, decode: usize) -> Vec<Vec<f
     }
     e.pool.alloc.release_all(&pages).expect("release");
     all
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len())
-        .max_by(|a, b| v[*a].total_cmp(&v[*b]).then(b.cmp(a)))
-        .unwrap_or(0) as u32
 }
 
 #[test]

@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::argmax;
+
 use duet_engine::{Engine, EngineOptions, Model, SeqChunk};
 use duet_gpu::KvDtype;
 
@@ -17,16 +19,6 @@ fn engine(dtype: KvDtype) -> Engine {
         },
     )
     .expect("engine")
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Prefills the prompt in one chunk and returns the last position's logits.
@@ -128,26 +120,8 @@ fn chunked_prefill_and_batched_decode_match_on_the_real_model() {
         .expect("pages");
     let one_shot = prefill(&mut e, long, &pages);
     for chunk in [64, 100] {
-        let mut last = None;
-        let mut pos = 0;
-        while pos < long.len() {
-            let end = (pos + chunk).min(long.len());
-            let out = e
-                .step(&[SeqChunk {
-                    tokens: &long[pos..end],
-                    start_pos: pos,
-                    pages: &pages,
-                    want_logits: end == long.len(),
-                }])
-                .expect("chunk");
-            last = out.into_iter().next().flatten();
-            pos = end;
-        }
-        assert_eq!(
-            last.expect("logits"),
-            one_shot,
-            "chunk size {chunk}: bit-identical logits"
-        );
+        let last = common::prefill_chunked(&mut e, long, &pages, chunk);
+        assert_eq!(last, one_shot, "chunk size {chunk}: bit-identical logits");
     }
     e.pool.alloc.release_all(&pages).expect("release");
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::context::NodeContext;
-use crate::services::{Inbound, IntoInbound};
+use crate::services::Inbound;
 use crate::wire;
 
 /// Service name of the echo actor.
@@ -28,17 +28,7 @@ pub struct EchoActor;
 #[derive(Debug)]
 pub struct EchoMsg(Inbound);
 
-impl From<Inbound> for EchoMsg {
-    fn from(i: Inbound) -> Self {
-        EchoMsg(i)
-    }
-}
-
-impl IntoInbound for EchoMsg {
-    fn into_inbound(self) -> Option<Inbound> {
-        Some(self.0)
-    }
-}
+crate::inbound_message!(struct EchoMsg);
 
 /// Notes received since this actor (re)started.
 pub struct EchoState {

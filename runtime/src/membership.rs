@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::context::NodeContext;
 use crate::metrics as m;
-use crate::services::{Inbound, IntoInbound};
+use crate::services::Inbound;
 use crate::wire;
 
 /// Service name of the membership actor on every node.
@@ -140,20 +140,7 @@ pub enum MembershipMsg {
     Inbound(Inbound),
 }
 
-impl From<Inbound> for MembershipMsg {
-    fn from(i: Inbound) -> Self {
-        MembershipMsg::Inbound(i)
-    }
-}
-
-impl IntoInbound for MembershipMsg {
-    fn into_inbound(self) -> Option<Inbound> {
-        match self {
-            MembershipMsg::Inbound(i) => Some(i),
-            _ => None,
-        }
-    }
-}
+crate::inbound_message!(enum MembershipMsg::Inbound);
 
 /// The actor's state: last answer per peer and pings in flight.
 pub struct MembershipState {

@@ -137,3 +137,38 @@ pub trait IntoInbound {
     /// Returns the inbound envelope this message carries, if it carries one.
     fn into_inbound(self) -> Option<Inbound>;
 }
+
+/// Implements `From<Inbound>` and [`IntoInbound`] for an actor message that carries remote
+/// envelopes: `inbound_message!(struct EchoMsg)` for a newtype around [`Inbound`], or
+/// `inbound_message!(enum RouterMsg::Inbound)` for one variant of an enum.
+#[macro_export]
+macro_rules! inbound_message {
+    (struct $ty:ident) => {
+        impl From<$crate::services::Inbound> for $ty {
+            fn from(i: $crate::services::Inbound) -> Self {
+                $ty(i)
+            }
+        }
+        impl $crate::services::IntoInbound for $ty {
+            fn into_inbound(self) -> Option<$crate::services::Inbound> {
+                Some(self.0)
+            }
+        }
+    };
+    (enum $ty:ident :: $variant:ident) => {
+        impl From<$crate::services::Inbound> for $ty {
+            fn from(i: $crate::services::Inbound) -> Self {
+                $ty::$variant(i)
+            }
+        }
+        impl $crate::services::IntoInbound for $ty {
+            fn into_inbound(self) -> Option<$crate::services::Inbound> {
+                match self {
+                    $ty::$variant(i) => Some(i),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+        }
+    };
+}

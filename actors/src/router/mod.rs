@@ -21,7 +21,7 @@ use duet_engine::tokenizer::Tokenizer;
 use duet_engine::{SamplingParams, fetch};
 use duet_runtime::context::NodeContext;
 use duet_runtime::membership::MembershipEvent;
-use duet_runtime::services::{Inbound, IntoInbound};
+use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
@@ -229,20 +229,7 @@ pub enum RouterMsg {
     Membership(MembershipEvent),
 }
 
-impl From<Inbound> for RouterMsg {
-    fn from(i: Inbound) -> Self {
-        RouterMsg::Inbound(i)
-    }
-}
-
-impl IntoInbound for RouterMsg {
-    fn into_inbound(self) -> Option<Inbound> {
-        match self {
-            RouterMsg::Inbound(i) => Some(i),
-            RouterMsg::Membership(_) => None,
-        }
-    }
-}
+duet_runtime::inbound_message!(enum RouterMsg::Inbound);
 
 /// The running router: its shared state and its HTTP server (stopped on drop).
 pub struct RouterState {

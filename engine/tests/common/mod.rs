@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use duet_engine::fetch;
+use duet_engine::{Engine, SeqChunk, fetch};
 use serde_json::Value;
 
 /// The real model's path, fetched on first use (as every command that needs it does).
@@ -40,4 +40,35 @@ pub fn ids(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
+}
+
+/// Prefills `tokens` from position 0 in pieces of `chunk`; the last token's logits.
+pub fn prefill_chunked(e: &mut Engine, tokens: &[u32], pages: &[u32], chunk: usize) -> Vec<f32> {
+    let mut last = None;
+    let mut pos = 0;
+    while pos < tokens.len() {
+        let end = (pos + chunk).min(tokens.len());
+        let out = e
+            .step(&[SeqChunk {
+                tokens: &tokens[pos..end],
+                start_pos: pos,
+                pages,
+                want_logits: end == tokens.len(),
+            }])
+            .expect("prefill step");
+        last = out.into_iter().next().flatten();
+        pos = end;
+    }
+    last.expect("logits of the last prompt token")
+}
+
+/// The greedy token (lowest id on ties).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
