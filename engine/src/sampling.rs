@@ -1,7 +1,6 @@
 //! Choosing the next token: greedy, temperature, top-k, top-p, with a seed; and when to stop.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 /// How to sample and when to stop (the OpenAI parameters, plus the benchmark clients' ones).
@@ -59,21 +58,60 @@ pub struct Sampled {
     pub logprob: f32,
 }
 
+/// Where a sampler's random stream stands: its seed and how many draws it made. Draw `n` is
+/// a pure function of `(seed, n)`, so this pair is the whole state: prefill samples the first
+/// token and hands the pair to decode with it, and decode continues the very same stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// The request's seed (drawn from entropy when the request gave none).
+    pub seed: u64,
+    /// Draws made so far.
+    pub draws: u64,
+}
+
+impl SamplerState {
+    /// A uniform number in `[0, 1)`, the next of the stream.
+    fn next_unit(&mut self) -> f64 {
+        // SplitMix64 over (seed, draw index): a counter-based generator, so the state is two
+        // integers rather than an opaque buffer.
+        let mut z = self.seed.wrapping_add(
+            self.draws
+                .wrapping_add(1)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        self.draws += 1;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
 /// A request's sampler: its parameters and its random stream.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    state: SamplerState,
 }
 
 impl Sampler {
     /// A sampler seeded from `params.seed`, or from entropy when there is none.
     pub fn new(params: SamplingParams) -> Sampler {
-        let rng = match params.seed {
-            Some(seed) => StdRng::seed_from_u64(seed),
-            None => StdRng::from_os_rng(),
-        };
-        Sampler { params, rng }
+        let seed = params.seed.unwrap_or_else(|| rand::rng().random());
+        Sampler {
+            params,
+            state: SamplerState { seed, draws: 0 },
+        }
+    }
+
+    /// A sampler that continues a stream another process started.
+    pub fn resume(params: SamplingParams, state: SamplerState) -> Sampler {
+        Sampler { params, state }
+    }
+
+    /// Where the random stream stands.
+    pub fn state(&self) -> SamplerState {
+        self.state
     }
 
     /// The parameters.
@@ -130,7 +168,7 @@ impl Sampler {
             probs.truncate(keep);
         }
         let total: f64 = probs.iter().sum();
-        let mut r = self.rng.random::<f64>() * total;
+        let mut r = self.state.next_unit() * total;
         let mut chosen = cands[probs.len() - 1].0;
         for (i, p) in probs.iter().enumerate() {
             if r < *p {

@@ -19,7 +19,7 @@ use duet_gpu::{PageAllocator, PageId, PoolError};
 
 use crate::engine::SeqChunk;
 use crate::prefix_cache::PrefixCache;
-use crate::sampling::{FinishReason, Sampler, SamplingParams, find_stop};
+use crate::sampling::{FinishReason, Sampled, Sampler, SamplerState, SamplingParams, find_stop};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Identifies a sequence.
@@ -61,6 +61,25 @@ pub enum SubmitError {
     Duplicate(SeqId),
 }
 
+/// A transferred sequence the scheduler cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// As for a new request.
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    /// The pages do not cover the prompt.
+    #[error("{pages} pages cannot hold a prompt of {tokens} tokens exactly")]
+    PagesMismatch {
+        /// Prompt tokens.
+        tokens: usize,
+        /// Pages given.
+        pages: usize,
+    },
+    /// Page bookkeeping failed.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
 /// One piece of work in a planned step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlanItem {
@@ -96,6 +115,9 @@ pub struct SeqEvent {
     pub finish: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache (on the first token only).
     pub cached_tokens: usize,
+    /// For a prefill-only sequence, which ends at its first token: the sampler's state after
+    /// it, for decode to continue the stream.
+    pub handoff: Option<SamplerState>,
 }
 
 #[derive(Debug)]
@@ -111,6 +133,8 @@ struct Seq {
     generated: usize,
     cached_tokens: usize,
     admitted: u64,
+    /// Ends after its first token (prefill of a disaggregated pair).
+    prefill_only: bool,
 }
 
 impl Seq {
@@ -192,6 +216,7 @@ impl Scheduler {
                 generated: 0,
                 cached_tokens: 0,
                 admitted: 0,
+                prefill_only: false,
             },
         );
         self.waiting.push_back(id);
@@ -484,63 +509,169 @@ impl Scheduler {
                     alloc,
                 )?;
             }
-            let params = seq.sampler.params().clone();
+            let params = seq.sampler.params();
             let eos = tok.eos.filter(|_| !params.ignore_eos);
             let banned = eos.filter(|_| seq.generated < params.min_tokens);
             let s = seq.sampler.sample(logits, banned);
-            seq.tokens.push(s.token);
-            seq.generated += 1;
-            let mut finish = None;
-            if Some(s.token) == eos {
-                finish = Some(FinishReason::Stop);
-            } else {
-                seq.text.push_str(&seq.decoder.push(tok, s.token));
-            }
-            let may_stop = seq.generated >= params.min_tokens;
-            let mut visible = seq.text.len();
-            if let Some(at) = find_stop(&seq.text, &params.stop).filter(|_| may_stop) {
-                visible = at;
-                finish = Some(FinishReason::Stop);
-            }
-            if finish.is_none()
-                && (seq.generated >= params.max_tokens || seq.tokens.len() >= self.cfg.max_context)
-            {
-                finish = Some(FinishReason::Length);
-            }
-            if finish.is_none() {
-                // Hold back what could still turn out to be the start of a stop string.
-                let hold = params
-                    .stop
-                    .iter()
-                    .map(|s| s.len().saturating_sub(1))
-                    .max()
-                    .unwrap_or(0);
-                visible = floor_char_boundary(&seq.text, seq.text.len().saturating_sub(hold));
-            } else if finish == Some(FinishReason::Length) {
-                seq.text.push_str(&seq.decoder.finish());
-                visible = seq.text.len();
-            }
-            let visible = visible.max(seq.emitted);
-            let text = seq.text[seq.emitted..visible].to_string();
-            seq.emitted = visible;
-            let cached_tokens = if seq.generated == 1 {
-                seq.cached_tokens
-            } else {
-                0
-            };
-            events.push(SeqEvent {
-                seq: item.seq,
-                token: s.token,
-                logprob: s.logprob,
-                text,
-                finish,
-                cached_tokens,
-            });
-            if finish.is_some() {
+            if seq.prefill_only {
+                // Prefill's part ends here: the token and the sampler's state go to decode,
+                // which does the text and the stopping.
+                events.push(SeqEvent {
+                    seq: item.seq,
+                    token: s.token,
+                    logprob: s.logprob,
+                    text: String::new(),
+                    finish: None,
+                    cached_tokens: seq.cached_tokens,
+                    handoff: Some(seq.sampler.state()),
+                });
                 self.finish(item.seq, alloc)?;
+                continue;
             }
+            events.push(self.accept(item.seq, s, tok, alloc)?);
         }
         Ok(events)
+    }
+
+    /// Queues a prompt that is only prefilled here: its first token is sampled and the
+    /// sequence ends, reporting the token and the sampler's state in [`SeqEvent::handoff`]
+    /// (prefill in a disaggregated pair). Its pages stay in the prefix cache.
+    pub fn submit_prefill(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(), SubmitError> {
+        self.submit(id, prompt, params)?;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.prefill_only = true;
+        }
+        Ok(())
+    }
+
+    /// The page table of a sequence.
+    pub fn pages(&self, id: SeqId) -> Option<&[PageId]> {
+        self.seqs.get(&id).map(|s| s.pages.as_slice())
+    }
+
+    /// Starts decoding a sequence whose prompt KV arrived from elsewhere: `pages` (one
+    /// reference each, handed over) hold the whole prompt, `first` was sampled by prefill and
+    /// `sampler` is the stream's state after it. Returns the first token's event.
+    #[allow(clippy::too_many_arguments)]
+    pub fn admit_transferred(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        sampler: SamplerState,
+        pages: Vec<PageId>,
+        first: Sampled,
+        cached_tokens: usize,
+        tok: &Tokenizer,
+        alloc: &mut PageAllocator,
+        cache: &mut PrefixCache,
+    ) -> Result<SeqEvent, AdmitError> {
+        let ps = self.cfg.page_size;
+        if self.seqs.contains_key(&id) {
+            return Err(AdmitError::Submit(SubmitError::Duplicate(id)));
+        }
+        if prompt.is_empty() || pages.len() != prompt.len().div_ceil(ps) {
+            return Err(AdmitError::PagesMismatch {
+                tokens: prompt.len(),
+                pages: pages.len(),
+            });
+        }
+        let full = prompt.len() / ps;
+        cache.insert(&prompt[..full * ps], &pages[..full], alloc)?;
+        self.admissions += 1;
+        self.seqs.insert(
+            id,
+            Seq {
+                prompt_len: prompt.len(),
+                computed: prompt.len(),
+                tokens: prompt,
+                pages,
+                sampler: Sampler::resume(params, sampler),
+                decoder: StreamDecoder::default(),
+                text: String::new(),
+                emitted: 0,
+                generated: 0,
+                cached_tokens,
+                admitted: self.admissions,
+                prefill_only: false,
+            },
+        );
+        self.running.push(id);
+        Ok(self.accept(id, first, tok, alloc)?)
+    }
+
+    /// Appends a sampled token: stop strings, EOS, length, the text that is now final.
+    fn accept(
+        &mut self,
+        id: SeqId,
+        s: Sampled,
+        tok: &Tokenizer,
+        alloc: &mut PageAllocator,
+    ) -> Result<SeqEvent, PoolError> {
+        let max_context = self.cfg.max_context;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(PoolError::NotAllocated(0));
+        };
+        let params = seq.sampler.params();
+        let eos = tok.eos.filter(|_| !params.ignore_eos);
+        seq.tokens.push(s.token);
+        seq.generated += 1;
+        let mut finish = None;
+        if Some(s.token) == eos {
+            finish = Some(FinishReason::Stop);
+        } else {
+            seq.text.push_str(&seq.decoder.push(tok, s.token));
+        }
+        let may_stop = seq.generated >= params.min_tokens;
+        let mut visible = seq.text.len();
+        if let Some(at) = find_stop(&seq.text, &params.stop).filter(|_| may_stop) {
+            visible = at;
+            finish = Some(FinishReason::Stop);
+        }
+        if finish.is_none()
+            && (seq.generated >= params.max_tokens || seq.tokens.len() >= max_context)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_none() {
+            // Hold back what could still turn out to be the start of a stop string.
+            let hold = params
+                .stop
+                .iter()
+                .map(|s| s.len().saturating_sub(1))
+                .max()
+                .unwrap_or(0);
+            visible = floor_char_boundary(&seq.text, seq.text.len().saturating_sub(hold));
+        } else if finish == Some(FinishReason::Length) {
+            seq.text.push_str(&seq.decoder.finish());
+            visible = seq.text.len();
+        }
+        let visible = visible.max(seq.emitted);
+        let text = seq.text[seq.emitted..visible].to_string();
+        seq.emitted = visible;
+        let cached_tokens = if seq.generated == 1 {
+            seq.cached_tokens
+        } else {
+            0
+        };
+        let event = SeqEvent {
+            seq: id,
+            token: s.token,
+            logprob: s.logprob,
+            text,
+            finish,
+            cached_tokens,
+            handoff: None,
+        };
+        if finish.is_some() {
+            self.finish(id, alloc)?;
+        }
+        Ok(event)
     }
 
     fn finish(&mut self, id: SeqId, alloc: &mut PageAllocator) -> Result<(), PoolError> {

@@ -159,6 +159,16 @@ pub enum PoolError {
     /// Memory given for the pool is too small or misaligned.
     #[error("unusable pool memory: {0}")]
     BadMemory(String),
+    /// A byte range outside the pool.
+    #[error("bytes {offset}..+{len} are outside the pool of {size} bytes")]
+    OutOfBounds {
+        /// First byte.
+        offset: usize,
+        /// Length.
+        len: usize,
+        /// Pool bytes.
+        size: usize,
+    },
     /// The pool would not fit in memory.
     #[error("a pool of {pages} pages of {page_bytes} bytes is too large")]
     TooLarge {
@@ -311,23 +321,51 @@ impl PageAllocator {
     }
 }
 
-/// Memory a pool can live in instead of the heap, such as a shared-memory region that a
-/// transport maps into another process. It must be 8-byte aligned and at least as long as the
-/// pool; [`KvPool::with_memory`] checks both.
-pub trait KvMemory: Send + Sync + std::fmt::Debug {
-    /// The memory as bytes.
-    fn bytes(&self) -> &[u8];
-    /// The memory as writable bytes.
-    fn bytes_mut(&mut self) -> &mut [u8];
+/// Memory a pool can live in: the heap ([`KvPool::new`]) or memory a transport provides, such
+/// as a shared-memory region another process maps ([`KvPool::with_memory`]).
+///
+/// # Safety
+///
+/// `as_ptr` must return the same pointer for the life of the value, valid for reads and
+/// writes of `len` bytes and 8-byte aligned, and the memory must not be touched through any
+/// other Rust reference: the pool and its [`PoolMemory`] handles are its only users, and they
+/// take byte-range borrows of their own.
+#[allow(unsafe_code)]
+pub unsafe trait KvMemory: Send + Sync + std::fmt::Debug {
+    /// The first byte.
+    fn as_ptr(&self) -> *mut u8;
+    /// Bytes available.
+    fn len(&self) -> usize;
+    /// Whether there are no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
-/// Where the elements are stored: always bytes, viewed as f16 or f32 per the layout.
-#[derive(Debug)]
-enum Storage {
-    /// Heap memory (u64 words, so every view is aligned).
-    Heap(Vec<u64>),
-    /// Memory given by the caller.
-    External(Box<dyn KvMemory>),
+/// Zeroed heap memory in 8-byte words, written through shared references (hence the cells).
+struct HeapMemory(Box<[std::cell::UnsafeCell<u64>]>);
+
+impl std::fmt::Debug for HeapMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HeapMemory({} bytes)", self.0.len() * 8)
+    }
+}
+
+// SAFETY: the cells are only reached through byte-range borrows that the pool's users keep
+// disjoint (the engine's own pages, or pages a transfer attempt was granted).
+#[allow(unsafe_code)]
+unsafe impl Sync for HeapMemory {}
+
+// SAFETY: the boxed slice never moves or shrinks while the value lives; `UnsafeCell<u64>` has
+// the layout of `u64`, so the pointer is 8-byte aligned and writable through `&self`.
+#[allow(unsafe_code)]
+unsafe impl KvMemory for HeapMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        std::cell::UnsafeCell::raw_get(self.0.as_ptr()).cast()
+    }
+    fn len(&self) -> usize {
+        self.0.len() * 8
+    }
 }
 
 /// Read access to one layer's K or V block of a page.
@@ -339,12 +377,72 @@ pub enum BlockView<'a> {
     F32(&'a [f32]),
 }
 
+/// A handle on a pool's memory that another thread (a transport's sender or receiver) uses to
+/// read or write whole byte ranges of pages while the engine computes on other pages.
+///
+/// Which thread may touch which page is the transfer ledger's business: a sender reads pages
+/// its attempt pinned at the source, a receiver writes pages its attempt was granted at the
+/// destination, and the engine touches neither until the ledger releases or publishes them.
+/// The methods are `unsafe` because that discipline is the caller's promise.
+#[derive(Clone, Debug)]
+pub struct PoolMemory {
+    memory: std::sync::Arc<dyn KvMemory>,
+    len: usize,
+}
+
+impl PoolMemory {
+    /// Bytes of the pool.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the pool has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), PoolError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(PoolError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// The bytes `offset..offset + len`.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may write the range while the slice lives (the source pins of a transfer).
+    #[allow(unsafe_code)]
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> Result<&[u8], PoolError> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds (checked); no writer (the caller's promise).
+        Ok(unsafe { std::slice::from_raw_parts(self.memory.as_ptr().add(offset), len) })
+    }
+
+    /// The bytes `offset..offset + len`, writable.
+    ///
+    /// # Safety
+    ///
+    /// Nothing else may read or write the range while the slice lives (the destination pages
+    /// of an active attempt, which decode does not read until the attempt is published).
+    #[allow(unsafe_code, clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: usize, len: usize) -> Result<&mut [u8], PoolError> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds (checked); exclusive (the caller's promise).
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.memory.as_ptr().add(offset), len) })
+    }
+}
+
 /// The paged KV pool: storage plus allocator.
 #[derive(Debug)]
 pub struct KvPool {
     layout: KvLayout,
-    storage: Storage,
-    len: usize,
+    memory: PoolMemory,
     /// Page references and pins.
     pub alloc: PageAllocator,
 }
@@ -353,10 +451,15 @@ impl KvPool {
     /// Allocates `n_pages` pages of `layout` on the heap, zeroed, once.
     pub fn new(layout: KvLayout, n_pages: usize) -> Result<KvPool, PoolError> {
         let len = Self::pool_bytes(&layout, n_pages)?;
+        let words = (0..len.div_ceil(8))
+            .map(|_| std::cell::UnsafeCell::new(0u64))
+            .collect();
         Ok(KvPool {
             layout,
-            storage: Storage::Heap(vec![0u64; len.div_ceil(8)]),
-            len,
+            memory: PoolMemory {
+                memory: std::sync::Arc::new(HeapMemory(words)),
+                len,
+            },
             alloc: PageAllocator::new(n_pages),
         })
     }
@@ -365,21 +468,19 @@ impl KvPool {
     pub fn with_memory(
         layout: KvLayout,
         n_pages: usize,
-        memory: Box<dyn KvMemory>,
+        memory: std::sync::Arc<dyn KvMemory>,
     ) -> Result<KvPool, PoolError> {
         let len = Self::pool_bytes(&layout, n_pages)?;
-        let bytes = memory.bytes();
-        if bytes.len() < len || !(bytes.as_ptr() as usize).is_multiple_of(8) {
+        if memory.len() < len || !(memory.as_ptr() as usize).is_multiple_of(8) {
             return Err(PoolError::BadMemory(format!(
                 "{} bytes at {:p}: the pool needs {len} bytes, 8-byte aligned",
-                bytes.len(),
-                bytes.as_ptr()
+                memory.len(),
+                memory.as_ptr()
             )));
         }
         Ok(KvPool {
             layout,
-            storage: Storage::External(memory),
-            len,
+            memory: PoolMemory { memory, len },
             alloc: PageAllocator::new(n_pages),
         })
     }
@@ -405,62 +506,61 @@ impl KvPool {
         self.alloc.stats().capacity
     }
 
+    /// A handle for transports (see [`PoolMemory`]).
+    pub fn memory(&self) -> PoolMemory {
+        self.memory.clone()
+    }
+
     /// Stores one token's K and V (`kv_dim` values each) in `slot` of `page`, layer `layer`.
     pub fn write_token(&mut self, page: PageId, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let d = self.layout.kv_dim();
-        let ko = self.layout.slot_offset(page, layer, false, slot);
-        let vo = self.layout.slot_offset(page, layer, true, slot);
-        let dtype = self.layout.dtype;
-        let bytes = self.bytes_mut();
-        // The casts cannot fail: the storage is 8-byte aligned and a whole number of elements
-        // (checked at construction).
-        match dtype {
-            KvDtype::F16 => {
-                let s: &mut [f16] = bytemuck::cast_slice_mut(bytes);
-                for (dst, src) in s[ko..ko + d].iter_mut().zip(k) {
-                    *dst = f16::from_f32(*src);
+        let size = self.layout.dtype.size();
+        let ko = self.layout.slot_offset(page, layer, false, slot) * size;
+        let vo = self.layout.slot_offset(page, layer, true, slot) * size;
+        for (offset, src) in [(ko, &k[..d]), (vo, &v[..d])] {
+            // SAFETY: `&mut self`: the engine writes only slots of pages its sequences own,
+            // which no transfer reads or writes (the ledger's pins and grants); the range is
+            // bounds-checked and element-aligned (the memory is 8-byte aligned).
+            #[allow(unsafe_code)]
+            let Ok(bytes) = (unsafe { self.memory.slice_mut(offset, d * size) }) else {
+                panic!("slot {slot} of page {page} is outside the pool");
+            };
+            match self.layout.dtype {
+                KvDtype::F16 => {
+                    let dst: &mut [f16] = bytemuck::cast_slice_mut(bytes);
+                    for (dst, src) in dst.iter_mut().zip(src) {
+                        *dst = f16::from_f32(*src);
+                    }
                 }
-                for (dst, src) in s[vo..vo + d].iter_mut().zip(v) {
-                    *dst = f16::from_f32(*src);
-                }
-            }
-            KvDtype::F32 => {
-                let s: &mut [f32] = bytemuck::cast_slice_mut(bytes);
-                s[ko..ko + d].copy_from_slice(&k[..d]);
-                s[vo..vo + d].copy_from_slice(&v[..d]);
+                KvDtype::F32 => bytemuck::cast_slice_mut(bytes).copy_from_slice(src),
             }
         }
     }
 
     /// One layer's K (`v = false`) or V block of `page`: `page_size` slots of `kv_dim`.
     pub fn block(&self, page: PageId, layer: usize, v: bool) -> BlockView<'_> {
-        let start = self.layout.slot_offset(page, layer, v, 0);
-        let end = start + self.layout.block_elems();
+        let size = self.layout.dtype.size();
+        let start = self.layout.slot_offset(page, layer, v, 0) * size;
+        // SAFETY: the engine reads pages of its own sequences, which nothing writes while it
+        // computes (transfers write only granted, unpublished pages).
+        #[allow(unsafe_code)]
+        let Ok(bytes) = (unsafe { self.memory.slice(start, self.layout.block_elems() * size) })
+        else {
+            panic!("page {page} is outside the pool");
+        };
         match self.layout.dtype {
-            KvDtype::F16 => {
-                BlockView::F16(&bytemuck::cast_slice::<u8, f16>(self.bytes())[start..end])
-            }
-            KvDtype::F32 => {
-                BlockView::F32(&bytemuck::cast_slice::<u8, f32>(self.bytes())[start..end])
-            }
+            KvDtype::F16 => BlockView::F16(bytemuck::cast_slice(bytes)),
+            KvDtype::F32 => BlockView::F32(bytemuck::cast_slice(bytes)),
         }
     }
 
-    /// The whole pool as bytes (for transports; ranges from [`KvLayout`]).
-    pub fn bytes(&self) -> &[u8] {
-        match &self.storage {
-            Storage::Heap(words) => &bytemuck::cast_slice(words)[..self.len],
-            Storage::External(m) => &m.bytes()[..self.len],
-        }
-    }
-
-    /// The whole pool as writable bytes.
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        match &mut self.storage {
-            Storage::Heap(words) => &mut bytemuck::cast_slice_mut(words)[..len],
-            Storage::External(m) => &mut m.bytes_mut()[..len],
-        }
+    /// A copy of the bytes in `range` (tests and checks; transports use [`PoolMemory`]).
+    pub fn copy_bytes(&self, range: Range<usize>) -> Result<Vec<u8>, PoolError> {
+        // SAFETY: `&self`: nothing in this process writes through the pool meanwhile; callers
+        // use it on pages no transfer targets.
+        #[allow(unsafe_code)]
+        let bytes = unsafe { self.memory.slice(range.start, range.len())? };
+        Ok(bytes.to_vec())
     }
 }
 
@@ -492,34 +592,28 @@ mod tests {
         let v = [2.0f32; 8];
         pool.write_token(1, 2, 3, &k, &v);
         let range = l.layer_bytes(1, 2);
-        let bytes = &pool.bytes()[range];
-        let floats: &[f32] = bytemuck::cast_slice(bytes);
+        let bytes = pool.copy_bytes(range).unwrap();
+        let floats: &[f32] = bytemuck::cast_slice(&bytes);
         // K block then V block; slot 3 is the last of each.
         assert_eq!(&floats[24..32], &k);
         assert_eq!(&floats[56..64], &v);
     }
 
-    #[derive(Debug)]
-    struct Words(Vec<u64>);
-
-    impl KvMemory for Words {
-        fn bytes(&self) -> &[u8] {
-            bytemuck::cast_slice(&self.0)
-        }
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            bytemuck::cast_slice_mut(&mut self.0)
-        }
+    fn words(n: usize) -> std::sync::Arc<dyn KvMemory> {
+        std::sync::Arc::new(HeapMemory(
+            (0..n).map(|_| std::cell::UnsafeCell::new(0)).collect(),
+        ))
     }
 
     #[test]
     fn a_pool_can_live_in_given_memory() {
         let l = layout();
-        let mut pool =
-            KvPool::with_memory(l, 4, Box::new(Words(vec![0; l.page_bytes() * 4 / 8]))).unwrap();
+        let mut pool = KvPool::with_memory(l, 4, words(l.page_bytes() * 4 / 8)).unwrap();
         pool.write_token(3, 1, 2, &[5.0; 8], &[6.0; 8]);
-        let floats: &[f32] = bytemuck::cast_slice(&pool.bytes()[l.layer_bytes(3, 1)]);
+        let bytes = pool.copy_bytes(l.layer_bytes(3, 1)).unwrap();
+        let floats: &[f32] = bytemuck::cast_slice(&bytes);
         assert_eq!(&floats[16..24], &[5.0; 8]);
-        let small = KvPool::with_memory(l, 4, Box::new(Words(vec![0; 8])));
+        let small = KvPool::with_memory(l, 4, words(8));
         assert!(matches!(small, Err(PoolError::BadMemory(_))));
     }
 

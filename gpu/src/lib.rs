@@ -12,4 +12,6 @@ pub mod kv;
 
 pub use device::Device;
 pub use kv::BlockView;
-pub use kv::{KvDtype, KvLayout, KvMemory, KvPool, PageAllocator, PageId, PoolError, PoolStats};
+pub use kv::{
+    KvDtype, KvLayout, KvMemory, KvPool, PageAllocator, PageId, PoolError, PoolMemory, PoolStats,
+};

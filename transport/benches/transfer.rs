@@ -84,10 +84,10 @@ fn main() {
     let receiver = std::thread::spawn(move || {
         let (stream, _) = listener.accept().expect("accept");
         let mut dest = vec![0u8; total];
-        let got = receive(stream, &mut dest, |_, _, _| {}).expect("receive");
+        let got = receive(stream, 1, &mut dest.as_mut_slice()).expect("receive");
         (dest, got)
     });
-    let mut sender = TcpSender::connect(addr).expect("connect");
+    let mut sender = TcpSender::connect(addr, 1).expect("connect");
     let mut best = f64::MAX;
     for round in 0..ROUNDS {
         let t = Instant::now();

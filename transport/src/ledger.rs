@@ -188,6 +188,37 @@ impl TransferLedger {
         Ok(key)
     }
 
+    /// Pins `pages` too, for an active attempt (a source attempt grows chunk by chunk as
+    /// prefill fills pages). Refused for an attempt that is no longer active.
+    pub fn extend(
+        &mut self,
+        key: AttemptKey,
+        pages: &[PageId],
+        alloc: &mut PageAllocator,
+    ) -> Result<Outcome, LedgerError> {
+        if let Some(o) = self.classify(key)? {
+            return Ok(o);
+        }
+        let a = self
+            .attempts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAttempt(key))?;
+        if a.state != State::Active {
+            self.stats.ignored += 1;
+            return Ok(Outcome::Ignored);
+        }
+        for (i, &p) in pages.iter().enumerate() {
+            if let Err(e) = alloc.pin(p) {
+                for &q in &pages[..i] {
+                    let _ = alloc.unpin(q);
+                }
+                return Err(e.into());
+            }
+        }
+        a.pages.extend_from_slice(pages);
+        Ok(Outcome::Applied)
+    }
+
     /// The state of an attempt.
     pub fn state(&self, key: AttemptKey) -> Option<State> {
         self.attempts.get(&key).map(|a| a.state)

@@ -4,15 +4,21 @@
 //!   destination pins, publication only on completion, quarantine until drained. Every backend
 //!   goes through it.
 //!
+//! - [`backend`]: the [`KvTransport`] trait (connect to a decode pool's endpoint, write runs
+//!   of pages, fence) and its backends `local`, `shm` and `tcp`; decode's TCP receiver and
+//!   the grants it checks every frame against.
 //! - [`shm`]: shared-memory regions (same host: the decode pool mapped by prefill).
 //! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
-//!
-//! The `KvTransport` trait that puts pools behind these comes with the disaggregation actors.
 
+pub mod backend;
 pub mod ledger;
 pub mod shm;
 pub mod tcp;
 
+pub use backend::{
+    Backend, Endpoint, Grants, KvTransport, LocalRegistration, PageRun, TcpReceiver,
+    TransportError, coalesce, connect, host_id,
+};
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,
 };

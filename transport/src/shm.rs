@@ -40,6 +40,9 @@ pub enum ShmError {
 pub struct ShmRegion {
     path: PathBuf,
     map: MmapMut,
+    /// `map`'s first byte, taken once through `&mut` so that writes through `&self` (as the
+    /// pool's memory) use a pointer with write provenance.
+    ptr: *mut u8,
     owner: bool,
 }
 
@@ -73,9 +76,10 @@ impl ShmRegion {
         file.set_len(len as u64).map_err(io)?;
         // SAFETY: we just created the file (create_new), so nothing else has it mapped with
         // other expectations; other processes map it only to write pages the ledger grants.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
         Ok(ShmRegion {
             path,
+            ptr: map.as_mut_ptr(),
             map,
             owner: true,
         })
@@ -95,9 +99,10 @@ impl ShmRegion {
             .map_err(io)?;
         // SAFETY: the region is a Duet pool file; its size is fixed by its creator and every
         // writer keeps to the byte ranges the ledger grants it.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
         Ok(ShmRegion {
             path,
+            ptr: map.as_mut_ptr(),
             map,
             owner: false,
         })
@@ -130,13 +135,20 @@ impl ShmRegion {
     }
 }
 
-impl duet_gpu::KvMemory for ShmRegion {
-    fn bytes(&self) -> &[u8] {
-        &self.map
-    }
+// SAFETY: the mapping lives as long as the region and never moves; pages are the unit of
+// access and the ledger keeps writers and readers of a page apart.
+unsafe impl Send for ShmRegion {}
+unsafe impl Sync for ShmRegion {}
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.map
+// SAFETY: the pointer is the mapping's start (page-aligned, so 8-byte aligned), valid for
+// `len` bytes while the region lives; once a pool owns the region it is reached only through
+// the pool's byte-range borrows.
+unsafe impl duet_gpu::KvMemory for ShmRegion {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.map.len()
     }
 }
 
@@ -182,12 +194,15 @@ mod tests {
         };
         let name = format!("pool-{}", std::process::id());
         let region = ShmRegion::create(&name, layout.page_bytes() * 8).unwrap();
-        let mut pool = KvPool::with_memory(layout, 8, Box::new(region)).unwrap();
+        let mut pool = KvPool::with_memory(layout, 8, std::sync::Arc::new(region)).unwrap();
         let peer = ShmRegion::open(&name).unwrap();
         pool.write_token(5, 1, 3, &[1.5; 16], &[2.5; 16]);
         // The other mapping sees the token at the layout's byte offsets.
         let range = layout.layer_bytes(5, 1);
-        assert_eq!(&peer.bytes()[range.clone()], &pool.bytes()[range.clone()]);
+        assert_eq!(
+            &peer.bytes()[range.clone()],
+            &pool.copy_bytes(range.clone()).unwrap()[..]
+        );
         assert!(peer.bytes()[range].iter().any(|b| *b != 0));
     }
 }

@@ -2,9 +2,12 @@
 //! landing directly in the destination region (no intermediate buffer).
 //!
 //! Frames: a 24-byte header (`kind u32, attempt u64, offset u64, len u32`, little-endian) then
-//! `len` payload bytes for data frames. A fence frame is answered with one byte once every
-//! earlier frame has landed, which is what lets the ledger drop pins after an abort. Anything
-//! out of bounds or unknown is a typed error and ends the connection.
+//! `len` payload bytes for data frames. The first frame is a hello carrying the receiver's
+//! secret (handed out over the authenticated control link), so nothing else can write into a
+//! pool. A fence frame is answered with one byte once every earlier frame has landed, which is
+//! what lets the ledger drop pins after an abort. Where a data frame lands is the [`Sink`]'s
+//! decision, made before a byte is read (the decode side checks the ledger's grants). Anything
+//! out of bounds, ungranted or unknown is a typed error and ends the connection.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,6 +16,7 @@ use std::net::{SocketAddr, TcpStream};
 const DATA: u32 = 1;
 const FENCE: u32 = 2;
 const CLOSE: u32 = 3;
+const HELLO: u32 = 4;
 /// Header bytes.
 const HEADER: usize = 24;
 /// The fence acknowledgement.
@@ -34,6 +38,19 @@ pub enum TcpError {
         /// The destination's size.
         size: usize,
     },
+    /// The first frame was not a hello with the right secret.
+    #[error("the connection did not open with the receiver's secret")]
+    BadHello,
+    /// A data frame for bytes its attempt was not granted.
+    #[error("attempt {attempt} may not write {len} bytes at {offset}")]
+    NotGranted {
+        /// The attempt.
+        attempt: u64,
+        /// Where.
+        offset: u64,
+        /// How much.
+        len: u32,
+    },
     /// An unknown frame kind.
     #[error("unknown frame kind {0}")]
     UnknownKind(u32),
@@ -49,10 +66,11 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// Connects to a receiver.
-    pub fn connect(addr: SocketAddr) -> Result<TcpSender, TcpError> {
-        let stream = TcpStream::connect(addr)?;
+    /// Connects to a receiver and introduces itself with the receiver's `secret`.
+    pub fn connect(addr: SocketAddr, secret: u64) -> Result<TcpSender, TcpError> {
+        let mut stream = TcpStream::connect(addr)?;
         stream.set_nodelay(true)?;
+        stream.write_all(&Self::header(HELLO, secret, 0, 0))?;
         Ok(TcpSender { stream })
     }
 
@@ -105,21 +123,42 @@ pub struct Received {
     pub fences: u64,
 }
 
-/// Serves one connection, writing every data frame straight into `dest`, until the sender
-/// closes. `on_frame(attempt, offset, len)` is called after each frame lands (the hook the
-/// ledger's progress tracking uses).
+/// Where data frames land.
+pub trait Sink {
+    /// The bytes a frame of `len` bytes at `offset` for `attempt` lands in, or why it may not.
+    fn landing(&mut self, attempt: u64, offset: u64, len: u32) -> Result<&mut [u8], TcpError>;
+    /// Called once the frame's bytes are in place.
+    fn landed(&mut self, _attempt: u64, _offset: u64, _len: u32) {}
+}
+
+/// A plain buffer takes any in-bounds frame (benchmarks and tests).
+impl Sink for &mut [u8] {
+    fn landing(&mut self, _attempt: u64, offset: u64, len: u32) -> Result<&mut [u8], TcpError> {
+        let size = self.len();
+        let range = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(len as usize).map(|e| o..e))
+            .filter(|r| r.end <= size)
+            .ok_or(TcpError::OutOfBounds { offset, len, size })?;
+        Ok(&mut self[range])
+    }
+}
+
+/// Serves one connection, reading every data frame straight into where `sink` says, until the
+/// sender closes. The connection must open with a hello carrying `secret`.
 pub fn receive(
     mut stream: TcpStream,
-    dest: &mut [u8],
-    mut on_frame: impl FnMut(u64, u64, u32),
+    secret: u64,
+    sink: &mut impl Sink,
 ) -> Result<Received, TcpError> {
     stream.set_nodelay(true)?;
     let mut got = Received::default();
     let mut h = [0u8; HEADER];
+    let mut greeted = false;
     loop {
         match stream.read_exact(&mut h) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(got),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && greeted => return Ok(got),
             Err(e) => return Err(e.into()),
         }
         let word = |r: std::ops::Range<usize>| {
@@ -133,18 +172,19 @@ pub fn receive(
             word(12..20),
             word(20..24) as u32,
         );
+        if !greeted {
+            if kind != HELLO || attempt != secret {
+                return Err(TcpError::BadHello);
+            }
+            greeted = true;
+            continue;
+        }
         match kind {
             DATA => {
-                let size = dest.len();
-                let range = usize::try_from(offset)
-                    .ok()
-                    .and_then(|o| o.checked_add(len as usize).map(|e| o..e))
-                    .filter(|r| r.end <= size)
-                    .ok_or(TcpError::OutOfBounds { offset, len, size })?;
-                stream.read_exact(&mut dest[range])?;
+                stream.read_exact(sink.landing(attempt, offset, len)?)?;
+                sink.landed(attempt, offset, len);
                 got.bytes += u64::from(len);
                 got.frames += 1;
-                on_frame(attempt, offset, len);
             }
             FENCE => {
                 stream.write_all(&[ACK])?;
@@ -169,16 +209,15 @@ mod tests {
         let receiver = std::thread::spawn(move || {
             let (stream, _) = listener.accept().unwrap();
             let mut dest = vec![0u8; 1 << 20];
-            let mut seen = Vec::new();
-            let got = receive(stream, &mut dest, |a, o, l| seen.push((a, o, l))).unwrap();
-            (dest, got, seen)
+            let got = receive(stream, 42, &mut dest.as_mut_slice()).unwrap();
+            (dest, got)
         });
-        let mut s = TcpSender::connect(addr).unwrap();
+        let mut s = TcpSender::connect(addr, 42).unwrap();
         s.write(7, 4096, &[1u8; 8192]).unwrap();
         s.write(7, 65536, &[2u8; 100]).unwrap();
         s.fence(7).unwrap();
         s.close().unwrap();
-        let (dest, got, seen) = receiver.join().unwrap();
+        let (dest, got) = receiver.join().unwrap();
         assert_eq!(
             got,
             Received {
@@ -190,7 +229,6 @@ mod tests {
         assert!(dest[4096..12288].iter().all(|b| *b == 1));
         assert!(dest[65536..65636].iter().all(|b| *b == 2));
         assert_eq!(dest[4095], 0);
-        assert_eq!(seen, vec![(7, 4096, 8192), (7, 65536, 100)]);
     }
 
     #[test]
@@ -200,13 +238,30 @@ mod tests {
         let receiver = std::thread::spawn(move || {
             let (stream, _) = listener.accept().unwrap();
             let mut dest = vec![0u8; 1024];
-            receive(stream, &mut dest, |_, _, _| {})
+            receive(stream, 1, &mut dest.as_mut_slice())
         });
-        let mut s = TcpSender::connect(addr).unwrap();
+        let mut s = TcpSender::connect(addr, 1).unwrap();
         let _ = s.write(1, 1000, &[9u8; 100]);
         assert!(matches!(
             receiver.join().unwrap(),
             Err(TcpError::OutOfBounds { .. })
         ));
+    }
+
+    #[test]
+    fn a_connection_without_the_secret_writes_nothing() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut dest = vec![0u8; 1024];
+            let r = receive(stream, 7, &mut dest.as_mut_slice());
+            (r, dest)
+        });
+        let mut s = TcpSender::connect(addr, 8).unwrap();
+        let _ = s.write(1, 0, &[9u8; 100]);
+        let (r, dest) = receiver.join().unwrap();
+        assert!(matches!(r, Err(TcpError::BadHello)), "{r:?}");
+        assert!(dest.iter().all(|b| *b == 0));
     }
 }

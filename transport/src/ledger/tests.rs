@@ -259,3 +259,27 @@ proptest! {
         prop_assert!(l.busy_pages().is_empty());
     }
 }
+
+#[test]
+fn a_source_attempt_grows_chunk_by_chunk_and_stops_growing_once_aborted() {
+    let mut alloc = PageAllocator::new(6);
+    let mut l = TransferLedger::new(Side::Source);
+    let k = l.open(5, "d0", vec![], false, &mut alloc).unwrap();
+    let first = alloc.alloc(2).unwrap();
+    assert_eq!(l.extend(k, &first, &mut alloc), Ok(Outcome::Applied));
+    let second = alloc.alloc(2).unwrap();
+    assert_eq!(l.extend(k, &second, &mut alloc), Ok(Outcome::Applied));
+    assert_eq!(alloc.stats().pinned, 4);
+    // The request lets go (it finished on prefill); the pins keep every page until read.
+    alloc.release_all(&first).unwrap();
+    alloc.release_all(&second).unwrap();
+    assert_eq!(alloc.stats().free, 2);
+    l.abort(k, AbortReason::ConsumerFailure, 0, &mut alloc)
+        .unwrap();
+    let late = alloc.alloc(1).unwrap();
+    assert_eq!(l.extend(k, &late, &mut alloc), Ok(Outcome::Ignored));
+    assert_eq!(alloc.pins(late[0]), 0);
+    l.drained(k, &mut alloc).unwrap();
+    alloc.release_all(&late).unwrap();
+    assert_eq!(alloc.stats().free, 6);
+}

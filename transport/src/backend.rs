@@ -1,0 +1,612 @@
+//! The [`KvTransport`] trait and its three backends.
+//!
+//! A decode worker *registers* its pool: it advertises an [`Endpoint`] in its layout hello
+//! (a shared-memory name, a TCP address and secret, or an in-process key). A prefill worker
+//! *connects* to that endpoint ([`connect`]) and *writes runs* of pages from its pool into the
+//! decode pool's pages, then *fences*: once `fence` returns, every earlier write has landed.
+//! Dropping the transport is the *teardown*. Which pages a write may read or touch is the
+//! ledger's business; a transport moves bytes.
+//!
+//! | backend | where        | how a page moves                                             |
+//! |---------|--------------|--------------------------------------------------------------|
+//! | `local` | same process | one memcpy from pool to pool                                 |
+//! | `shm`   | same host    | one memcpy into the decode pool, mapped from `/dev/shm`      |
+//! | `tcp`   | any host     | one framed run per write, read by decode straight into pages |
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::ops::Range;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use duet_gpu::{KvLayout, PageId, PoolMemory};
+use serde::{Deserialize, Serialize};
+
+use crate::ledger::AttemptKey;
+use crate::shm::{ShmError, ShmRegion};
+use crate::tcp::{self, Sink, TcpError, TcpSender};
+
+/// Which backend moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Same process.
+    Local,
+    /// Same host, shared memory.
+    Shm,
+    /// Any host, TCP.
+    Tcp,
+}
+
+impl Backend {
+    /// Its name in cluster.toml and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Local => "local",
+            Backend::Shm => "shm",
+            Backend::Tcp => "tcp",
+        }
+    }
+}
+
+/// Where a decode pool can be written, as its owner advertises it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// The host the pool lives on (shared memory works only there).
+    pub host: String,
+    /// The pool's in-process key (local backend; meaningful only in the same process).
+    pub local: Option<u64>,
+    /// The shared-memory region holding the pool.
+    pub shm: Option<String>,
+    /// The TCP receiver and the secret a connection must open with.
+    pub tcp: Option<(SocketAddr, u64)>,
+}
+
+/// A transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Shared memory.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// TCP.
+    #[error(transparent)]
+    Tcp(#[from] TcpError),
+    /// A page range outside a pool.
+    #[error(transparent)]
+    Pool(#[from] duet_gpu::PoolError),
+    /// The endpoint does not offer the backend asked for.
+    #[error("the decode endpoint offers no `{0}` backend")]
+    Unavailable(&'static str),
+    /// The in-process pool is gone.
+    #[error("no pool is registered in this process under key {0}")]
+    NoLocalPool(u64),
+}
+
+/// `n` consecutive pages from `src` in the sending pool to `dst` in the receiving pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageRun {
+    /// First source page.
+    pub src: PageId,
+    /// First destination page.
+    pub dst: PageId,
+    /// Pages.
+    pub n: u32,
+}
+
+/// Groups `(src, dst)` page pairs into runs consecutive on both sides (one copy or frame each).
+pub fn coalesce(pairs: impl IntoIterator<Item = (PageId, PageId)>) -> Vec<PageRun> {
+    let mut runs: Vec<PageRun> = Vec::new();
+    for (src, dst) in pairs {
+        match runs.last_mut() {
+            Some(r) if r.src + r.n == src && r.dst + r.n == dst => r.n += 1,
+            _ => runs.push(PageRun { src, dst, n: 1 }),
+        }
+    }
+    runs
+}
+
+/// Moves runs of pages from a local pool into a remote one.
+pub trait KvTransport: Send {
+    /// The backend.
+    fn backend(&self) -> Backend;
+
+    /// Writes `runs` of `attempt` from `src`; returns the bytes written. The caller holds
+    /// source pins on the pages, and the destination pages are granted to `attempt`.
+    fn write(
+        &mut self,
+        attempt: AttemptKey,
+        src: &PoolMemory,
+        layout: &KvLayout,
+        runs: &[PageRun],
+    ) -> Result<u64, TransportError>;
+
+    /// Returns once every earlier write has landed in the destination.
+    fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError>;
+}
+
+/// Connects to `endpoint` with `backend`.
+pub fn connect(
+    endpoint: &Endpoint,
+    backend: Backend,
+) -> Result<Box<dyn KvTransport>, TransportError> {
+    Ok(match backend {
+        Backend::Local => {
+            let key = endpoint.local.ok_or(TransportError::Unavailable("local"))?;
+            let dst = local_pools()
+                .get(&key)
+                .cloned()
+                .ok_or(TransportError::NoLocalPool(key))?;
+            Box::new(LocalTransport { dst })
+        }
+        Backend::Shm => {
+            let name = endpoint
+                .shm
+                .as_deref()
+                .ok_or(TransportError::Unavailable("shm"))?;
+            Box::new(ShmTransport {
+                dst: ShmRegion::open(name)?,
+            })
+        }
+        Backend::Tcp => {
+            let (addr, secret) = endpoint.tcp.ok_or(TransportError::Unavailable("tcp"))?;
+            Box::new(TcpTransport {
+                sender: TcpSender::connect(addr, secret)?,
+            })
+        }
+    })
+}
+
+/// The source bytes of a run.
+///
+/// # Safety
+///
+/// The caller holds source pins on the run's pages (nothing writes them meanwhile).
+#[allow(unsafe_code)]
+unsafe fn source<'a>(
+    src: &'a PoolMemory,
+    layout: &KvLayout,
+    run: &PageRun,
+) -> Result<&'a [u8], TransportError> {
+    let r = layout.run_bytes(run.src, run.n as usize);
+    // SAFETY: the caller's promise.
+    Ok(unsafe { src.slice(r.start, r.len())? })
+}
+
+/// Same process: pool to pool.
+struct LocalTransport {
+    dst: PoolMemory,
+}
+
+impl KvTransport for LocalTransport {
+    fn backend(&self) -> Backend {
+        Backend::Local
+    }
+
+    #[allow(unsafe_code)]
+    fn write(
+        &mut self,
+        _attempt: AttemptKey,
+        src: &PoolMemory,
+        layout: &KvLayout,
+        runs: &[PageRun],
+    ) -> Result<u64, TransportError> {
+        let mut bytes = 0;
+        for run in runs {
+            let to = layout.run_bytes(run.dst, run.n as usize);
+            // SAFETY: source pins (the trait's contract); the destination pages are granted to
+            // this attempt, which decode does not read before publication.
+            let (from, to) = unsafe {
+                (
+                    source(src, layout, run)?,
+                    self.dst.slice_mut(to.start, to.len())?,
+                )
+            };
+            to.copy_from_slice(from);
+            bytes += from.len() as u64;
+        }
+        Ok(bytes)
+    }
+
+    fn fence(&mut self, _attempt: AttemptKey) -> Result<(), TransportError> {
+        Ok(()) // copies are synchronous
+    }
+}
+
+/// Same host: into the decode pool's shared-memory region.
+struct ShmTransport {
+    dst: ShmRegion,
+}
+
+impl KvTransport for ShmTransport {
+    fn backend(&self) -> Backend {
+        Backend::Shm
+    }
+
+    #[allow(unsafe_code)]
+    fn write(
+        &mut self,
+        _attempt: AttemptKey,
+        src: &PoolMemory,
+        layout: &KvLayout,
+        runs: &[PageRun],
+    ) -> Result<u64, TransportError> {
+        let mut bytes = 0;
+        for run in runs {
+            // SAFETY: source pins (the trait's contract).
+            let from = unsafe { source(src, layout, run)? };
+            self.dst
+                .write(layout.run_bytes(run.dst, run.n as usize).start, from)?;
+            bytes += from.len() as u64;
+        }
+        Ok(bytes)
+    }
+
+    fn fence(&mut self, _attempt: AttemptKey) -> Result<(), TransportError> {
+        // The copies are done when `write` returns; the control message that follows them
+        // (over the link) is ordered after them by the happens-before of the syscall.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// Any host: framed runs over one connection.
+struct TcpTransport {
+    sender: TcpSender,
+}
+
+impl KvTransport for TcpTransport {
+    fn backend(&self) -> Backend {
+        Backend::Tcp
+    }
+
+    #[allow(unsafe_code)]
+    fn write(
+        &mut self,
+        attempt: AttemptKey,
+        src: &PoolMemory,
+        layout: &KvLayout,
+        runs: &[PageRun],
+    ) -> Result<u64, TransportError> {
+        let mut bytes = 0;
+        for run in runs {
+            // SAFETY: source pins (the trait's contract).
+            let from = unsafe { source(src, layout, run)? };
+            let at = layout.run_bytes(run.dst, run.n as usize).start as u64;
+            self.sender.write(attempt, at, from)?;
+            bytes += from.len() as u64;
+        }
+        Ok(bytes)
+    }
+
+    fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError> {
+        Ok(self.sender.fence(attempt)?)
+    }
+}
+
+fn local_pools() -> std::sync::MutexGuard<'static, HashMap<u64, PoolMemory>> {
+    static POOLS: LazyLock<Mutex<HashMap<u64, PoolMemory>>> = LazyLock::new(Default::default);
+    POOLS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A pool registered for in-process writers; unregistered on drop.
+#[derive(Debug)]
+pub struct LocalRegistration(u64);
+
+impl LocalRegistration {
+    /// Registers `memory` under a fresh key.
+    pub fn new(memory: PoolMemory) -> LocalRegistration {
+        let mut pools = local_pools();
+        let mut key = rand_key();
+        while pools.contains_key(&key) {
+            key = rand_key();
+        }
+        pools.insert(key, memory);
+        LocalRegistration(key)
+    }
+
+    /// The key writers connect with.
+    pub fn key(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Drop for LocalRegistration {
+    fn drop(&mut self) {
+        local_pools().remove(&self.0);
+    }
+}
+
+fn rand_key() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
+/// The byte ranges of a decode pool that each active attempt may write, shared between the
+/// decode worker (which grants when it opens an attempt and revokes once the attempt
+/// completes or drains) and its TCP receiver (which checks every frame before reading it).
+#[derive(Debug, Clone, Default)]
+pub struct Grants(Arc<Mutex<HashMap<AttemptKey, Vec<Range<usize>>>>>);
+
+impl Grants {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AttemptKey, Vec<Range<usize>>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets `attempt` write `pages` of a pool of `layout`.
+    pub fn grant(&self, attempt: AttemptKey, layout: &KvLayout, pages: &[PageId]) {
+        let ranges = coalesce(pages.iter().map(|&p| (p, p)))
+            .iter()
+            .map(|r| layout.run_bytes(r.dst, r.n as usize))
+            .collect();
+        self.lock().insert(attempt, ranges);
+    }
+
+    /// Takes the grant back.
+    pub fn revoke(&self, attempt: AttemptKey) {
+        self.lock().remove(&attempt);
+    }
+
+    /// Whether `attempt` may write `len` bytes at `offset`.
+    pub fn allows(&self, attempt: AttemptKey, offset: u64, len: u32) -> bool {
+        let Ok(start) = usize::try_from(offset) else {
+            return false;
+        };
+        let Some(end) = start.checked_add(len as usize) else {
+            return false;
+        };
+        self.lock()
+            .get(&attempt)
+            .is_some_and(|rs| rs.iter().any(|r| r.start <= start && end <= r.end))
+    }
+}
+
+/// Lands granted frames in a pool.
+struct PoolSink {
+    memory: PoolMemory,
+    grants: Grants,
+    on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
+}
+
+impl Sink for PoolSink {
+    #[allow(unsafe_code)]
+    fn landing(&mut self, attempt: u64, offset: u64, len: u32) -> Result<&mut [u8], TcpError> {
+        if !self.grants.allows(attempt, offset, len) {
+            return Err(TcpError::NotGranted {
+                attempt,
+                offset,
+                len,
+            });
+        }
+        // SAFETY: the range lies in pages granted to an active (or draining) attempt, which
+        // decode neither reads nor reuses until the attempt completes or its drain is proven.
+        // In bounds: grants are page ranges of this pool (checked again by `slice_mut`).
+        unsafe { self.memory.slice_mut(offset as usize, len as usize) }.map_err(|_| {
+            TcpError::OutOfBounds {
+                offset,
+                len,
+                size: self.memory.len(),
+            }
+        })
+    }
+
+    fn landed(&mut self, _attempt: u64, _offset: u64, len: u32) {
+        (self.on_bytes)(u64::from(len));
+    }
+}
+
+/// Decode's TCP receiver: accepts prefill connections that open with the secret and lands
+/// their granted frames in the pool, one thread per connection. Stops accepting when dropped
+/// (connections end when their sender closes or misbehaves).
+#[derive(Debug)]
+pub struct TcpReceiver {
+    addr: SocketAddr,
+    secret: u64,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl TcpReceiver {
+    /// Listens on `bind` (port 0 picks one) for writers into `memory`.
+    pub fn start(
+        bind: SocketAddr,
+        memory: PoolMemory,
+        grants: Grants,
+        on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
+    ) -> Result<TcpReceiver, TransportError> {
+        let listener = TcpListener::bind(bind).map_err(TcpError::from)?;
+        let addr = listener.local_addr().map_err(TcpError::from)?;
+        let secret = rand_key();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::Builder::new()
+            .name("duet-kv-receiver".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    if flag.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let mut sink = PoolSink {
+                        memory: memory.clone(),
+                        grants: grants.clone(),
+                        on_bytes: on_bytes.clone(),
+                    };
+                    let spawned = std::thread::Builder::new()
+                        .name("duet-kv-conn".into())
+                        .spawn(move || {
+                            if let Err(e) = tcp::receive(stream, secret, &mut sink) {
+                                tracing::warn!(error = %e, "kv connection closed");
+                            }
+                        });
+                    if let Err(e) = spawned {
+                        tracing::error!(error = %e, "cannot serve a kv connection");
+                    }
+                }
+            })
+            .map_err(TcpError::from)?;
+        Ok(TcpReceiver { addr, secret, stop })
+    }
+
+    /// The address and secret to advertise.
+    pub fn endpoint(&self) -> (SocketAddr, u64) {
+        (self.addr, self.secret)
+    }
+}
+
+impl Drop for TcpReceiver {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Wake the accept loop so it sees the flag.
+        let _ = std::net::TcpStream::connect(self.addr);
+    }
+}
+
+/// This host's identity, for choosing shared memory when both sides share it.
+pub fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let name = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    format!("{}/{}", name.trim(), boot.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use duet_gpu::{KvDtype, KvPool};
+
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 8,
+            page_size: 4,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    #[test]
+    fn runs_are_consecutive_on_both_sides() {
+        let runs = coalesce([(1, 7), (2, 8), (3, 9), (5, 10), (6, 2)]);
+        assert_eq!(
+            runs,
+            vec![
+                PageRun {
+                    src: 1,
+                    dst: 7,
+                    n: 3
+                },
+                PageRun {
+                    src: 5,
+                    dst: 10,
+                    n: 1
+                },
+                PageRun {
+                    src: 6,
+                    dst: 2,
+                    n: 1
+                },
+            ]
+        );
+    }
+
+    fn filled(l: KvLayout) -> KvPool {
+        let mut src = KvPool::new(l, 8).unwrap();
+        for page in 0..8 {
+            for slot in 0..4 {
+                let x = (page * 10 + slot) as f32;
+                src.write_token(page, 1, slot as usize, &[x; 8], &[-x; 8]);
+            }
+        }
+        src
+    }
+
+    fn check_backend(backend: Backend, dst: &KvPool, endpoint: &Endpoint) {
+        let l = layout();
+        let src = filled(l);
+        let mut t = connect(endpoint, backend).unwrap();
+        let runs = coalesce([(2, 5), (3, 6), (7, 0)]);
+        let n = t.write(9, &src.memory(), &l, &runs).unwrap();
+        t.fence(9).unwrap();
+        assert_eq!(n as usize, 3 * l.page_bytes());
+        for (s, d) in [(2, 5), (3, 6), (7, 0)] {
+            let want = src.copy_bytes(l.run_bytes(s, 1)).unwrap();
+            assert_eq!(
+                dst.copy_bytes(l.run_bytes(d, 1)).unwrap(),
+                want,
+                "{backend:?}"
+            );
+        }
+        assert!(
+            dst.copy_bytes(l.run_bytes(1, 1))
+                .unwrap()
+                .iter()
+                .all(|b| *b == 0)
+        );
+    }
+
+    #[test]
+    fn every_backend_lands_runs_in_the_destination_pages() {
+        let l = layout();
+        // local
+        let dst = KvPool::new(l, 8).unwrap();
+        let reg = LocalRegistration::new(dst.memory());
+        let endpoint = Endpoint {
+            host: host_id(),
+            local: Some(reg.key()),
+            shm: None,
+            tcp: None,
+        };
+        check_backend(Backend::Local, &dst, &endpoint);
+        assert!(matches!(
+            connect(&endpoint, Backend::Shm),
+            Err(TransportError::Unavailable("shm"))
+        ));
+        drop(reg);
+        assert!(matches!(
+            connect(&endpoint, Backend::Local),
+            Err(TransportError::NoLocalPool(_))
+        ));
+
+        // shm
+        let name = format!("backend-test-{}", std::process::id());
+        let region = ShmRegion::create(&name, l.page_bytes() * 8).unwrap();
+        let dst = KvPool::with_memory(l, 8, Arc::new(region)).unwrap();
+        let endpoint = Endpoint {
+            host: host_id(),
+            local: None,
+            shm: Some(name),
+            tcp: None,
+        };
+        check_backend(Backend::Shm, &dst, &endpoint);
+
+        // tcp, with grants
+        let dst = KvPool::new(l, 8).unwrap();
+        let grants = Grants::default();
+        grants.grant(9, &l, &[5, 6, 0]);
+        let rx = TcpReceiver::start(
+            "127.0.0.1:0".parse().unwrap(),
+            dst.memory(),
+            grants.clone(),
+            Arc::new(|_| {}),
+        )
+        .unwrap();
+        let endpoint = Endpoint {
+            host: host_id(),
+            local: None,
+            shm: None,
+            tcp: Some(rx.endpoint()),
+        };
+        check_backend(Backend::Tcp, &dst, &endpoint);
+
+        // A write outside the grant closes the connection and lands nothing.
+        let src = filled(l);
+        let mut t = connect(&endpoint, Backend::Tcp).unwrap();
+        let runs = coalesce([(2, 3)]);
+        let _ = t.write(9, &src.memory(), &l, &runs);
+        assert!(t.fence(9).is_err(), "the receiver hangs up");
+        assert!(
+            dst.copy_bytes(l.run_bytes(3, 1))
+                .unwrap()
+                .iter()
+                .all(|b| *b == 0)
+        );
+    }
+}
