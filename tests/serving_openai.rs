@@ -150,7 +150,7 @@ async fn killed_worker_requests_are_retried_on_the_other() {
     // One running sequence per worker, so requests queue up behind it.
     let extra = format!("{}max_running = 1\n", serving(&model, http));
     let c = ClusterDir::new(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &[("router", "router"), ("d0", "decode"), ("d1", "decode")],
         &extra,
     );
     let _up = Running::up(&c.config).await;
@@ -170,12 +170,12 @@ async fn killed_worker_requests_are_retried_on_the_other() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("burst");
-    // Kill p0's worker while requests wait in its queue.
-    poll("requests queued on p0", Duration::from_secs(60), || async {
-        (metric(c.admin("p0"), &token, "duet_sequences_waiting", "").await >= 1.0).then_some(())
+    // Kill d0's worker while requests wait in its queue.
+    poll("requests queued on d0", Duration::from_secs(60), || async {
+        (metric(c.admin("d0"), &token, "duet_sequences_waiting", "").await >= 1.0).then_some(())
     })
     .await;
-    let out = duet(&["kill", "--config", path_str(&c.config), "p0/prefill/worker"]).await;
+    let out = duet(&["kill", "--config", path_str(&c.config), "d0/decode/worker"]).await;
     assert!(out.status.success(), "{}", out.stderr);
     let out = burst.wait_with_output().await.expect("burst output");
     let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -184,7 +184,7 @@ async fn killed_worker_requests_are_retried_on_the_other() {
         .collect();
     assert_eq!(lines.len(), 8, "{lines:?}");
     let failed: Vec<&String> = lines.iter().filter(|l| *l != "ok").collect();
-    // Only the request that was already producing tokens on p0 may fail (with a named cause).
+    // Only the request that was already producing tokens on d0 may fail (with a named cause).
     assert!(failed.len() <= 1, "{lines:?}");
     let retried = metric(c.admin("router"), &token, "duet_router_retries_total", "").await;
     assert!(retried >= 1.0, "no request was retried ({lines:?})");

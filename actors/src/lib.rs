@@ -1,14 +1,21 @@
-//! Duet's serving actors, on top of the runtime (nodes, links, supervision) and the engine.
+//! Duet's serving actors, on top of the runtime (nodes, links, supervision), the engine and
+//! the KV data plane.
 //!
 //! ```text
-//!   router node                               prefill / decode nodes
-//!   NODE/router/router  (HTTP, OpenAI API) ──► NODE/ROLE/worker  (engine + colocated scheduler)
-//!          ◄── tokens, load reports ──────────┘
+//!   router node                 prefill node                          decode node
+//!   NODE/router/router ──────► NODE/prefill/bootstrap (queue) ◄─────── NODE/decode/worker
+//!   (HTTP, OpenAI API,          NODE/prefill/worker (engine,   notice   (engine, batch,
+//!    pairs P and D)              KvSender) ═══ KV pages ═══════════════► pool endpoint)
+//!          ◄──────────────────────── tokens, load reports ──────────────┘
 //! ```
 //!
-//! - [`protocol`]: the messages between router and workers.
-//! - [`router`]: the router actor and its OpenAI-compatible HTTP front.
-//! - [`worker`]: the colocated worker actor.
+//! - [`protocol`]: every message, with the request's state diagram.
+//! - [`router`]: the router actor, its pair selection and its OpenAI-compatible HTTP front.
+//! - [`bootstrap`]: prefill's bootstrap queue (requests wait for decode's pages there).
+//! - [`prefill`]: the prefill worker and its KV sender.
+//! - [`decode`]: the decode worker (continuous batch, local prefill of short prompts, the
+//!   receiving side of transfers).
+//! - [`outbox`]: ordered one-way messages from engine threads.
 //! - [`settings`]: the `[serving]` table of cluster.toml.
 
 use std::sync::Arc;
@@ -17,10 +24,13 @@ use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
 use duet_runtime::supervisor::ChildSpec;
 
+pub mod bootstrap;
+pub mod decode;
+pub mod outbox;
+pub mod prefill;
 pub mod protocol;
 pub mod router;
 pub mod settings;
-pub mod worker;
 
 /// The serving actors a node of `role` runs under its role supervisor.
 pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
@@ -29,10 +39,19 @@ pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
         Role::Router => vec![ChildSpec::actor("router", "router", move || {
             (router::RouterActor, c.clone())
         })],
-        Role::Prefill | Role::Decode => {
-            vec![ChildSpec::actor("worker", "worker", move || {
-                (worker::WorkerActor, c.clone())
-            })]
+        Role::Prefill => {
+            let c2 = c.clone();
+            vec![
+                ChildSpec::actor("bootstrap", "bootstrap", move || {
+                    (bootstrap::Bootstrap, c.clone())
+                }),
+                ChildSpec::actor("worker", "worker", move || {
+                    (prefill::PrefillWorker, c2.clone())
+                }),
+            ]
         }
+        Role::Decode => vec![ChildSpec::actor("worker", "worker", move || {
+            (decode::DecodeWorker, c.clone())
+        })],
     }
 }

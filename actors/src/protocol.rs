@@ -1,22 +1,49 @@
-//! Messages between the router and the workers, and the state of a request.
+//! Every message between the router, prefill (P) and decode (D), and the states a request
+//! goes through. All of them ride the runtime's links; bulk KV never does (it goes through a
+//! `duet_transport` backend).
 //!
 //! ```text
-//!   router                                   worker (colocated scheduler)
-//!     │── worker.generate {request, prompt} ──►│  (request; answered Accepted or a failure)
-//!     │◄──────── router.events [TokenItem] ────│  (one-way, batched per engine step)
-//!     │── worker.cancel {request} ────────────►│  (client gone: pages freed)
-//!     │◄──────── router.load {LoadReport} ─────│  (one-way, every load interval)
+//!   router                       D (decode worker)                 P (bootstrap + prefill worker)
+//!     │── worker.generate ─────────►│ {request, prompt, prefill: P, room}
+//!     │── bootstrap.prefill ────────┼──────────────────────────────►│ bootstrap queue
+//!     │                             │── bootstrap.hello ───────────►│ (first contact: layouts
+//!     │                             │◄─────────────── LayoutHello ──│  checked both ways)
+//!     │                   prealloc  │  reserve every page or wait   │
+//!     │                             │── bootstrap.prealloc ────────►│ PreallocNotice{room,
+//!     │                             │                               │  attempt, pages, prefix}
+//!     │                             │                               │ waiting ─► in flight:
+//!     │                   transfer  │◄══ KV pages (shm/tcp/local) ══│ each chunk's full pages
+//!     │                             │◄────────────── decode.chunk ──│ ChunkWritten
+//!     │                             │◄══ last pages ════════════════│ fence
+//!     │                             │◄─────────────── decode.done ──│ TransferDone{first token,
+//!     │                   running   │ ledger: complete ─► publish   │  logprob, sampler state}
+//!     │◄── router.events ───────────│ tokens                         │
+//!
+//!   abort (client gone, deadline, failure), from D:
+//!     D: ledger abort (pins kept) ── bootstrap.abort ──► P: drop, or stop writing + fence
+//!     D: ledger drained (pins drop) ◄── decode.abort_ack ── P
+//!   P fails a request it cannot prefill: ── decode.failed ──► D (after its writes drained)
+//!   P ── decode.heartbeat {incarnation} ──► D, every load interval: a new incarnation proves
+//!   the old one's writers are gone (their threads were joined), so D's pins on it drop.
 //! ```
 //!
-//! A request ends with exactly one item carrying `finish` or `error`. A worker that restarts
-//! reports a new incarnation; the router fails what the old one held (and retries a request
-//! that had produced no token on another worker).
+//! Queues: P's bootstrap → waiting → in flight; D's prealloc → transfer → running. A request
+//! ends with exactly one item carrying `finish` or `error`, the error naming the phase. A
+//! worker that restarts reports a new incarnation; the router fails what the old one held
+//! (and retries a request that had produced no token on another worker).
 
+use duet_engine::sampling::SamplerState;
 use duet_engine::{FinishReason, SamplingParams};
+use duet_gpu::{KvLayout, PageId};
+use duet_transport::{Backend, Endpoint};
 use serde::{Deserialize, Serialize};
 
-/// Service name of the worker on prefill and decode nodes.
+/// Service name of the worker on decode nodes.
 pub const WORKER_SERVICE: &str = "worker";
+/// Service name of the bootstrap actor on prefill nodes.
+pub const BOOTSTRAP_SERVICE: &str = "bootstrap";
+/// Service name of the prefill worker on prefill nodes (local messages from bootstrap).
+pub const PREFILL_SERVICE: &str = "prefill";
 /// Service name of the router on router nodes.
 pub const ROUTER_SERVICE: &str = "router";
 
@@ -30,6 +57,209 @@ pub mod kinds {
     pub const EVENTS: &str = "router.events";
     /// Worker → router one-way: [`super::LoadReport`].
     pub const LOAD: &str = "router.load";
+    /// Router → P's bootstrap request: [`super::PrefillRequest`].
+    pub const PREFILL: &str = "bootstrap.prefill";
+    /// D → P's bootstrap request: [`super::LayoutHello`], answered with P's.
+    pub const HELLO: &str = "bootstrap.hello";
+    /// D → P's bootstrap one-way: [`super::PreallocNotice`].
+    pub const PREALLOC: &str = "bootstrap.prealloc";
+    /// D → P's bootstrap one-way: [`super::Abort`].
+    pub const ABORT: &str = "bootstrap.abort";
+    /// Bootstrap → the prefill worker (same node): [`super::PrefillStart`].
+    pub const START: &str = "prefill.start";
+    /// Bootstrap → the prefill worker (same node): [`super::Abort`].
+    pub const STOP: &str = "prefill.abort";
+    /// P → D one-way: [`super::ChunkWritten`].
+    pub const CHUNK: &str = "decode.chunk";
+    /// P → D one-way: [`super::TransferDone`].
+    pub const DONE: &str = "decode.done";
+    /// P → D one-way: [`super::TransferFailed`].
+    pub const FAILED: &str = "decode.failed";
+    /// P → D one-way: [`super::AbortAck`].
+    pub const ABORT_ACK: &str = "decode.abort_ack";
+    /// P → D one-way: [`super::Heartbeat`].
+    pub const HEARTBEAT: &str = "decode.heartbeat";
+}
+
+/// Where D's prompt KV comes from, when the router disaggregates.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillPeer {
+    /// P's node.
+    pub node: String,
+    /// The transfer's room (random 63-bit).
+    pub room: u64,
+}
+
+/// Router → P: prefill a prompt for D.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillRequest {
+    /// The room D will name in its notice.
+    pub room: u64,
+    /// D's node.
+    pub decode: String,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling (P samples the first token).
+    pub params: SamplingParams,
+}
+
+/// What a worker's KV looks like; two workers exchange pages only if these are equal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutInfo {
+    /// Pool layout: layers, KV heads, head dim, page size, dtype.
+    pub layout: KvLayout,
+    /// Hash of the GGUF's metadata and tensor table.
+    pub fingerprint: String,
+}
+
+impl LayoutInfo {
+    /// Why two layouts cannot exchange pages, naming both values; `None` if they can.
+    pub fn mismatch(&self, other: &LayoutInfo, mine: &str, theirs: &str) -> Option<String> {
+        let (a, b) = (&self.layout, &other.layout);
+        let diff = |what: &str, x: String, y: String| {
+            Some(format!(
+                "incompatible KV layouts: {what} is {x} on {mine} but {y} on {theirs}"
+            ))
+        };
+        if a.page_size != b.page_size {
+            return diff(
+                "page_size",
+                a.page_size.to_string(),
+                b.page_size.to_string(),
+            );
+        }
+        if a.dtype != b.dtype {
+            return diff("kv_dtype", a.dtype.to_string(), b.dtype.to_string());
+        }
+        if self.fingerprint != other.fingerprint {
+            return diff(
+                "the model fingerprint",
+                self.fingerprint.clone(),
+                other.fingerprint.clone(),
+            );
+        }
+        if a.n_layers != b.n_layers {
+            return diff("layers", a.n_layers.to_string(), b.n_layers.to_string());
+        }
+        if a.n_kv_heads != b.n_kv_heads {
+            return diff(
+                "kv heads",
+                a.n_kv_heads.to_string(),
+                b.n_kv_heads.to_string(),
+            );
+        }
+        if a.head_dim != b.head_dim {
+            return diff("head_dim", a.head_dim.to_string(), b.head_dim.to_string());
+        }
+        None
+    }
+}
+
+/// D → P on first contact, and P's answer: both layouts, each side checks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LayoutHello {
+    /// The sender's node.
+    pub node: String,
+    /// Its worker's incarnation.
+    pub incarnation: u64,
+    /// Its KV layout.
+    pub layout: LayoutInfo,
+}
+
+/// D → P: pages are reserved; write the prompt's KV from `decode_prefix_len` on into them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreallocNotice {
+    /// The room.
+    pub room: u64,
+    /// D's attempt key (fences every later message about this transfer).
+    pub attempt: u64,
+    /// D's pages for positions `decode_prefix_len..`, in order.
+    pub pages: Vec<PageId>,
+    /// Prompt tokens D already holds (whole pages of its prefix cache); P sends the rest.
+    pub decode_prefix_len: usize,
+    /// D's worker incarnation.
+    pub incarnation: u64,
+    /// Where D's pool can be written.
+    pub endpoint: Endpoint,
+}
+
+/// Bootstrap → prefill worker: a request with its notice, ready to compute.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrefillStart {
+    /// The router's request.
+    pub request: PrefillRequest,
+    /// D's notice.
+    pub notice: PreallocNotice,
+    /// The backend to use.
+    pub backend: Backend,
+}
+
+/// Stop a transfer. From D to P; `attempt` is `None` when D never sent a notice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Abort {
+    /// The room.
+    pub room: u64,
+    /// D's attempt.
+    pub attempt: Option<u64>,
+}
+
+/// P → D: no write of this attempt can land any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortAck {
+    /// The room.
+    pub room: u64,
+    /// D's attempt.
+    pub attempt: u64,
+}
+
+/// P → D: a chunk's pages were written (progress, for metrics and traces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkWritten {
+    /// The room.
+    pub room: u64,
+    /// D's attempt.
+    pub attempt: u64,
+    /// Pages written so far.
+    pub pages: usize,
+    /// Bytes written so far.
+    pub bytes: u64,
+}
+
+/// P → D: every page is written and fenced; here is the first token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferDone {
+    /// The room.
+    pub room: u64,
+    /// D's attempt.
+    pub attempt: u64,
+    /// The first sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The sampler's stream after the first token.
+    pub sampler: SamplerState,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Prompt tokens P took from its own prefix cache.
+    pub prefill_cached: usize,
+}
+
+/// P → D: the prefill failed (its writes, if any, have drained).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferFailed {
+    /// The room.
+    pub room: u64,
+    /// D's attempt.
+    pub attempt: Option<u64>,
+    /// Names the phase and the cause.
+    pub error: String,
+}
+
+/// P → D, every load interval.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// P's prefill worker incarnation.
+    pub incarnation: u64,
 }
 
 /// Start generating for a request.
@@ -41,6 +271,8 @@ pub struct Generate {
     pub prompt: Vec<u32>,
     /// Sampling and stopping.
     pub params: SamplingParams,
+    /// Set when P prefills and D decodes.
+    pub prefill: Option<PrefillPeer>,
 }
 
 /// The worker took the request.
@@ -102,11 +334,27 @@ pub struct TokenBatch {
     pub items: Vec<TokenItem>,
 }
 
+/// Which half of the pair a worker is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerKind {
+    /// Computes prompts, streams KV.
+    Prefill,
+    /// Decodes (and prefills short or cached prompts itself).
+    Decode,
+}
+
 /// A worker's load, for routing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
     /// The worker's node.
     pub worker: String,
+    /// Prefill or decode.
+    pub kind: WorkerKind,
+    /// Its KV layout (the router pairs only equal ones).
+    pub layout: LayoutInfo,
+    /// Requests in P's bootstrap queue (waiting for D's pages).
+    pub bootstrap_queue: usize,
     /// Its incarnation.
     pub incarnation: u64,
     /// Prompt tokens queued and not yet computed.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use duet_gpu::KvDtype;
 use duet_runtime::config::{ClusterConfig, ConfigError, key_at};
+use duet_transport::Backend;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -35,6 +36,32 @@ pub struct ServingConfig {
     pub load_interval: Duration,
     /// Longest a request may take before it fails.
     pub request_timeout: Duration,
+    /// Prompts whose uncached part is shorter than this are prefilled on decode alone.
+    pub disagg_threshold: usize,
+    /// How prefill writes decode's pages: `auto` (shm on one host, else tcp), or forced.
+    pub kv_transport: KvTransportChoice,
+    /// Longest a request waits in prefill's bootstrap queue for decode's pages.
+    pub bootstrap_timeout: Duration,
+}
+
+/// `serving.kv_transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvTransportChoice {
+    /// Shared memory when both workers share a host, TCP otherwise.
+    Auto,
+    /// Always this backend.
+    Fixed(Backend),
+}
+
+impl KvTransportChoice {
+    /// The backend for a pair where prefill runs on `my_host` and decode on `their_host`.
+    pub fn pick(self, my_host: &str, their_host: &str) -> Backend {
+        match self {
+            KvTransportChoice::Fixed(b) => b,
+            KvTransportChoice::Auto if my_host == their_host => Backend::Shm,
+            KvTransportChoice::Auto => Backend::Tcp,
+        }
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -57,11 +84,35 @@ struct RawServing {
     max_running: Option<Spanned<u64>>,
     load_interval_ms: Option<Spanned<u64>>,
     request_timeout_secs: Option<Spanned<u64>>,
+    disagg_threshold: Option<Spanned<u64>>,
+    kv_transport: Option<Spanned<String>>,
+    bootstrap_timeout_secs: Option<Spanned<u64>>,
+    #[serde(default)]
+    node: std::collections::BTreeMap<String, RawNodeServing>,
+}
+
+/// `[serving.node.NAME]`: engine settings that differ on one node.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawNodeServing {
+    kv_pages: Option<Spanned<u64>>,
+    kv_dtype: Option<Spanned<String>>,
+    page_size: Option<Spanned<u64>>,
+    threads: Option<Spanned<u64>>,
 }
 
 impl ServingConfig {
-    /// Reads `[serving]` from a loaded cluster file.
+    /// Reads `[serving]` from a loaded cluster file, as it applies to node `node`.
+    pub fn for_node(c: &ClusterConfig, node: &str) -> Result<ServingConfig, ConfigError> {
+        Self::read(c, Some(node))
+    }
+
+    /// Reads `[serving]` from a loaded cluster file (cluster-wide values).
     pub fn from_cluster(c: &ClusterConfig) -> Result<ServingConfig, ConfigError> {
+        Self::read(c, None)
+    }
+
+    fn read(c: &ClusterConfig, node: Option<&str>) -> Result<ServingConfig, ConfigError> {
         let text = &c.source;
         let file = c.path.display().to_string();
         let err = |at: usize, key: Option<&str>, message: String| {
@@ -109,29 +160,86 @@ impl ServingConfig {
                 )
             })?,
         };
-        let kv_dtype = match &s.kv_dtype {
-            None => KvDtype::F16,
-            Some(d) => KvDtype::parse(d.get_ref()).ok_or_else(|| {
+        let dtype = |d: &Spanned<String>, key: &str| {
+            KvDtype::parse(d.get_ref()).ok_or_else(|| {
                 err(
                     d.span().start,
-                    Some("serving.kv_dtype"),
+                    Some(key),
                     format!(
                         "`{}` is not a KV dtype: expected \"f16\" or \"f32\"",
                         d.get_ref()
                     ),
                 )
-            })?,
+            })
         };
+        let mut kv_dtype = match &s.kv_dtype {
+            None => KvDtype::F16,
+            Some(d) => dtype(d, "serving.kv_dtype")?,
+        };
+        let kv_transport = match &s.kv_transport {
+            None => KvTransportChoice::Auto,
+            Some(t) => match t.get_ref().as_str() {
+                "auto" => KvTransportChoice::Auto,
+                "shm" => KvTransportChoice::Fixed(Backend::Shm),
+                "tcp" => KvTransportChoice::Fixed(Backend::Tcp),
+                "local" => KvTransportChoice::Fixed(Backend::Local),
+                other => {
+                    return Err(err(
+                        t.span().start,
+                        Some("serving.kv_transport"),
+                        format!(
+                            "`{other}` is not a KV transport: expected \"auto\", \"shm\", \"tcp\" or \"local\""
+                        ),
+                    ));
+                }
+            },
+        };
+        let mut kv_pages = int(&s.kv_pages, "serving.kv_pages", 4, 1 << 20, 512)? as usize;
+        let mut page_size = int(&s.page_size, "serving.page_size", 1, 1024, 16)? as usize;
+        let mut threads = int(&s.threads, "serving.threads", 1, 256, 1)? as usize;
+        for (name, o) in &s.node {
+            if !c.nodes.iter().any(|n| &n.name == name) {
+                let at = o
+                    .kv_pages
+                    .as_ref()
+                    .map(|v| v.span().start)
+                    .or(o.page_size.as_ref().map(|v| v.span().start))
+                    .or(o.threads.as_ref().map(|v| v.span().start))
+                    .or(o.kv_dtype.as_ref().map(|v| v.span().start))
+                    .unwrap_or(0);
+                return Err(err(
+                    at,
+                    Some(&format!("serving.node.{name}")),
+                    format!("there is no node `{name}` in this cluster"),
+                ));
+            }
+            if node != Some(name.as_str()) {
+                continue;
+            }
+            let key = |k: &str| format!("serving.node.{name}.{k}");
+            if o.kv_pages.is_some() {
+                kv_pages = int(&o.kv_pages, &key("kv_pages"), 4, 1 << 20, 512)? as usize;
+            }
+            if o.page_size.is_some() {
+                page_size = int(&o.page_size, &key("page_size"), 1, 1024, 16)? as usize;
+            }
+            if o.threads.is_some() {
+                threads = int(&o.threads, &key("threads"), 1, 256, 1)? as usize;
+            }
+            if let Some(d) = &o.kv_dtype {
+                kv_dtype = dtype(d, &key("kv_dtype"))?;
+            }
+        }
         Ok(ServingConfig {
             model,
             model_name: s
                 .model_name
                 .map_or_else(|| "SmolLM2-135M-Instruct".to_string(), |n| n.into_inner()),
             http,
-            kv_pages: int(&s.kv_pages, "serving.kv_pages", 4, 1 << 20, 512)? as usize,
+            kv_pages,
             kv_dtype,
-            page_size: int(&s.page_size, "serving.page_size", 1, 1024, 16)? as usize,
-            threads: int(&s.threads, "serving.threads", 1, 256, 1)? as usize,
+            page_size,
+            threads,
             max_batch_tokens: int(
                 &s.max_batch_tokens,
                 "serving.max_batch_tokens",
@@ -153,6 +261,21 @@ impl ServingConfig {
                 1,
                 86_400,
                 600,
+            )?),
+            disagg_threshold: int(
+                &s.disagg_threshold,
+                "serving.disagg_threshold",
+                0,
+                1 << 20,
+                32,
+            )? as usize,
+            kv_transport,
+            bootstrap_timeout: Duration::from_secs(int(
+                &s.bootstrap_timeout_secs,
+                "serving.bootstrap_timeout_secs",
+                1,
+                86_400,
+                60,
             )?),
         })
     }

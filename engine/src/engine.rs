@@ -127,17 +127,39 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// An engine for `model` with a freshly allocated pool.
-    pub fn new(model: Model, options: EngineOptions) -> Result<Engine, EngineError> {
+    /// The pool layout `model` needs under `options`.
+    pub fn layout_for(model: &Model, options: &EngineOptions) -> KvLayout {
         let c = model.config;
-        let layout = KvLayout {
+        KvLayout {
             n_layers: c.n_layers,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
             page_size: options.page_size,
             dtype: options.kv_dtype,
-        };
-        let pool = KvPool::new(layout, options.kv_pages)?;
+        }
+    }
+
+    /// An engine for `model` with a freshly allocated pool.
+    pub fn new(model: Model, options: EngineOptions) -> Result<Engine, EngineError> {
+        let pool = KvPool::new(Self::layout_for(&model, &options), options.kv_pages)?;
+        Self::with_pool(model, options, pool)
+    }
+
+    /// An engine over a pool made elsewhere (in shared memory, say); its layout must be the
+    /// one [`Engine::layout_for`] gives.
+    pub fn with_pool(
+        model: Model,
+        options: EngineOptions,
+        pool: KvPool,
+    ) -> Result<Engine, EngineError> {
+        let want = Self::layout_for(&model, &options);
+        if *pool.layout() != want {
+            return Err(EngineError::Pool(PoolError::BadMemory(format!(
+                "the pool's layout {:?} is not the model's {want:?}",
+                pool.layout()
+            ))));
+        }
+        let c = model.config;
         let max_context = options.max_context.min(c.context_length);
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(options.threads.max(1))

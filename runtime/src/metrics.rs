@@ -45,6 +45,34 @@ pub const KV_PAGES_PINNED: &str = "duet_kv_pages_pinned";
 pub const SEQS_RUNNING: &str = "duet_sequences_running";
 /// Sequences waiting on a worker.
 pub const SEQS_WAITING: &str = "duet_sequences_waiting";
+/// Router routing decisions, by `path` (`disaggregated`, `decode_only`) and `reason`.
+pub const ROUTER_ROUTES: &str = "duet_router_routes_total";
+/// Prompts decode prefilled itself although a prefill worker was assigned, by `reason`.
+pub const DECODE_LOCAL_PREFILLS: &str = "duet_decode_local_prefills_total";
+/// Requests in prefill's bootstrap queue (waiting for decode's pages).
+pub const BOOTSTRAP_QUEUE: &str = "duet_bootstrap_queue";
+/// Requests in decode's prealloc queue (waiting for free pages).
+pub const PREALLOC_QUEUE: &str = "duet_prealloc_queue";
+/// Seconds a request waited in the bootstrap queue.
+pub const BOOTSTRAP_WAIT: &str = "duet_bootstrap_wait_seconds";
+/// Seconds from the bootstrap match to the first chunk's compute (prefill's queue).
+pub const PREFILL_QUEUE_WAIT: &str = "duet_prefill_queue_wait_seconds";
+/// Seconds of prefill compute, first chunk to last.
+pub const PREFILL_SECONDS: &str = "duet_prefill_seconds";
+/// Seconds from decode's notice to the complete KV (decode's view of the transfer).
+pub const TRANSFER_LATENCY: &str = "duet_transfer_latency_seconds";
+/// Transfer throughput of one request, GB/s of KV written (time spent writing).
+pub const TRANSFER_GBPS: &str = "duet_transfer_gbps";
+/// Seconds from the end of the last chunk's compute to decode holding the complete KV.
+pub const TRANSFER_EXPOSED: &str = "duet_transfer_exposed_seconds";
+/// KV bytes written by prefill, by `backend`.
+pub const KV_BYTES_SENT: &str = "duet_kv_bytes_sent_total";
+/// KV bytes received by decode over TCP.
+pub const KV_BYTES_RECEIVED: &str = "duet_kv_bytes_received_total";
+/// Transfers, by `outcome` (`completed`, `aborted`, `failed`) and `side`.
+pub const TRANSFERS: &str = "duet_transfers_total";
+/// Prefill chunks computed on prefill workers.
+pub const PREFILL_CHUNKS: &str = "duet_prefill_chunks_total";
 
 /// All names, for the duplicate check.
 pub const ALL: &[&str] = &[
@@ -68,6 +96,20 @@ pub const ALL: &[&str] = &[
     KV_PAGES_PINNED,
     SEQS_RUNNING,
     SEQS_WAITING,
+    ROUTER_ROUTES,
+    DECODE_LOCAL_PREFILLS,
+    BOOTSTRAP_QUEUE,
+    PREALLOC_QUEUE,
+    BOOTSTRAP_WAIT,
+    PREFILL_QUEUE_WAIT,
+    PREFILL_SECONDS,
+    TRANSFER_LATENCY,
+    TRANSFER_GBPS,
+    TRANSFER_EXPOSED,
+    KV_BYTES_SENT,
+    KV_BYTES_RECEIVED,
+    TRANSFERS,
+    PREFILL_CHUNKS,
 ];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.

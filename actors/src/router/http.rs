@@ -245,6 +245,7 @@ struct Generation {
     params: SamplingParams,
     current: Option<Started>,
     tried: Vec<String>,
+    retried: bool,
     tokens: usize,
     finished: bool,
 }
@@ -254,13 +255,21 @@ impl Generation {
         shared: Arc<RouterShared>,
         prompt: Vec<u32>,
         params: SamplingParams,
+        forced: Option<String>,
     ) -> Result<Generation, ApiError> {
         let started = shared
-            .start(&prompt, &params, &[])
+            .start(&prompt, &params, &[], forced.as_deref())
             .await
             .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
         Ok(Generation {
-            tried: vec![started.worker.clone()],
+            tried: started
+                .prefill
+                .iter()
+                .chain([&started.worker])
+                .cloned()
+                .collect(),
+            // A pair the client forced is not swapped for another behind its back.
+            retried: forced.is_some(),
             current: Some(started),
             shared,
             prompt,
@@ -291,16 +300,18 @@ impl Generation {
                 }
             };
             if let Some(error) = item.error.clone() {
-                if self.tokens == 0 && self.tried.len() < 2 {
+                if self.tokens == 0 && !self.retried {
+                    self.retried = true;
                     tracing::warn!(%error, "retrying on another worker before the first token");
                     metrics::counter!(duet_runtime::metrics::ROUTER_RETRIES).increment(1);
                     match self
                         .shared
-                        .start(&self.prompt, &self.params, &self.tried)
+                        .start(&self.prompt, &self.params, &self.tried, None)
                         .await
                     {
                         Ok(s) => {
-                            self.tried.push(s.worker.clone());
+                            self.tried
+                                .extend(s.prefill.iter().chain([&s.worker]).cloned());
                             self.current = Some(s);
                             continue;
                         }
@@ -373,10 +384,11 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
     let prompt_tokens = prompt.len();
     let model = s.settings.model_name.clone();
     let logprobs = c.wants_logprobs();
-    let mut generation = match Generation::start(s.clone(), prompt, params).await {
-        Ok(g) => g,
-        Err(e) => return e.into_response(),
-    };
+    let mut generation =
+        match Generation::start(s.clone(), prompt, params, c.duet_pair.clone()).await {
+            Ok(g) => g,
+            Err(e) => return e.into_response(),
+        };
     let id = match api {
         Api::Chat => format!("chatcmpl-{:016x}", rand::random::<u64>()),
         Api::Completion => format!("cmpl-{:016x}", rand::random::<u64>()),

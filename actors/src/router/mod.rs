@@ -1,8 +1,11 @@
 //! The router: OpenAI-compatible HTTP in front, workers behind.
 //!
-//! The HTTP handlers ([`http`]) validate and tokenize a request, pick a worker by load (power
-//! of two choices on queued tokens, then free pages), and send it `worker.generate` over the
-//! link. The router actor receives the workers' token batches and load reports and routes each
+//! The HTTP handlers ([`http`]) validate and tokenize a request and choose where it runs:
+//! a prompt shorter than `disagg_threshold`, or one with no compatible prefill worker ready,
+//! goes to a decode worker alone; any other gets a (prefill, decode) pair with equal KV
+//! layouts, each picked by load (power of two choices on queued tokens, then free pages),
+//! and a random 63-bit room. Both halves are sent at once: `worker.generate` to decode,
+//! `bootstrap.prefill` to prefill. The router actor receives the workers' token batches and load reports and routes each
 //! item to the request's channel. A worker that membership marks down, or that comes back as a
 //! new incarnation, fails the requests it held; a request that had produced no token is retried
 //! once on another worker.
@@ -29,8 +32,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Accepted, Cancel, Generate, LoadReport, ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE,
-    kinds,
+    Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
+    ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -76,43 +79,90 @@ impl RouterShared {
             .collect()
     }
 
-    /// Power of two choices: two random ready workers, the less loaded one wins.
-    fn pick(&self, exclude: &[String]) -> Option<String> {
-        let ready: Vec<LoadReport> = self
-            .ready_workers()
-            .into_iter()
-            .filter(|r| !exclude.contains(&r.worker))
-            .collect();
+    /// Power of two choices among ready workers that pass `keep`: the less loaded wins.
+    fn pick(&self, keep: impl Fn(&LoadReport) -> bool) -> Option<LoadReport> {
+        let ready: Vec<LoadReport> = self.ready_workers().into_iter().filter(keep).collect();
         match ready.len() {
             0 => None,
-            1 => Some(ready[0].worker.clone()),
+            1 => ready.into_iter().next(),
             n => {
                 let mut rng = rand::rng();
                 let a = rng.random_range(0..n);
                 let b = (a + rng.random_range(1..n)) % n;
-                let key =
-                    |r: &LoadReport| (r.queued_tokens + 16 * r.waiting, usize::MAX - r.free_pages);
+                let key = |r: &LoadReport| {
+                    (
+                        r.queued_tokens + 16 * (r.waiting + r.bootstrap_queue),
+                        usize::MAX - r.free_pages,
+                    )
+                };
                 let best = if key(&ready[a]) <= key(&ready[b]) {
                     a
                 } else {
                     b
                 };
-                Some(ready[best].worker.clone())
+                ready.into_iter().nth(best)
             }
         }
     }
 
-    /// Starts a request on a worker (not one of `exclude`); its items arrive on the receiver.
+    /// Chooses where a request runs: a decode worker (not one of `exclude`) and, unless the
+    /// prompt is short or no compatible prefill worker is ready, a prefill worker for it.
+    /// `forced` names a pair (`PREFILL,DECODE`) for operators and tests; it skips the layout
+    /// filter, so decode's own check answers a mismatch.
+    fn route(
+        &self,
+        prompt_len: usize,
+        exclude: &[String],
+        forced: Option<&str>,
+    ) -> Result<(String, Option<String>), String> {
+        if let Some(pair) = forced {
+            let (p, d) = pair.split_once(',').ok_or_else(|| {
+                format!("`{pair}` is not a pair: expected PREFILL_NODE,DECODE_NODE")
+            })?;
+            return Ok((d.trim().to_string(), Some(p.trim().to_string())));
+        }
+        // A retry avoids the workers already tried, unless they are all there is (a restarted
+        // worker is a new incarnation and may well serve it).
+        let decode = self
+            .pick(|r| r.kind == WorkerKind::Decode && !exclude.contains(&r.worker))
+            .or_else(|| self.pick(|r| r.kind == WorkerKind::Decode))
+            .ok_or_else(|| "no decode worker is ready to serve".to_string())?;
+        if prompt_len < self.settings.disagg_threshold {
+            metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
+            return Ok((decode.worker, None));
+        }
+        let compatible =
+            |r: &LoadReport| r.kind == WorkerKind::Prefill && r.layout == decode.layout;
+        let prefill = self
+            .pick(|r| compatible(r) && !exclude.contains(&r.worker))
+            .or_else(|| self.pick(compatible));
+        match prefill {
+            Some(p) => {
+                metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "disaggregated", "reason" => "paired").increment(1);
+                Ok((decode.worker, Some(p.worker)))
+            }
+            None => {
+                metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "no_compatible_prefill").increment(1);
+                Ok((decode.worker, None))
+            }
+        }
+    }
+
+    /// Starts a request (on a decode worker not one of `exclude`); its items arrive on the
+    /// receiver.
     async fn start(
         &self,
         prompt: &[u32],
         params: &SamplingParams,
         exclude: &[String],
+        forced: Option<&str>,
     ) -> Result<Started, String> {
-        let worker = self
-            .pick(exclude)
-            .ok_or_else(|| "no worker is ready to serve".to_string())?;
+        let (worker, prefill) = self.route(prompt.len(), exclude, forced)?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let peer = prefill.map(|node| PrefillPeer {
+            node,
+            room: rand::rng().random::<u64>() >> 1,
+        });
         let (tx, rx) = mpsc::unbounded_channel();
         self.lock_pending().insert(
             request,
@@ -126,20 +176,37 @@ impl RouterShared {
             request,
             prompt: prompt.to_vec(),
             params: params.clone(),
+            prefill: peer.clone(),
         });
-        let answer = match self.ctx.links.get(&worker) {
-            Ok(link) => link
-                .request(
-                    kinds::GENERATE,
-                    ROUTER_SERVICE,
-                    WORKER_SERVICE,
-                    body,
-                    Duration::from_secs(10),
-                )
-                .await
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
+        let to_decode = self.ask(&worker, kinds::GENERATE, WORKER_SERVICE, body);
+        let to_prefill = async {
+            match &peer {
+                Some(p) => {
+                    let body = wire::encode_body(&PrefillRequest {
+                        room: p.room,
+                        decode: worker.clone(),
+                        prompt: prompt.to_vec(),
+                        params: params.clone(),
+                    });
+                    self.ask(&p.node, kinds::PREFILL, BOOTSTRAP_SERVICE, body)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| format!("prefill worker {}: {e}", p.node))
+                }
+                None => Ok(()),
+            }
         };
+        // Both halves at once: decode reserves pages while prefill's bootstrap queues it.
+        let (answer, prefilled) = tokio::join!(to_decode, to_prefill);
+        if let Err(e) = prefilled {
+            // Decode's half is cancelled (it tells prefill); the caller may retry.
+            if answer.is_ok() {
+                self.lock_pending().remove(&request);
+                self.send_cancel(worker.clone(), request);
+            }
+            self.lock_pending().remove(&request);
+            return Err(e);
+        }
         match answer.and_then(|b| wire::decode_body::<Accepted>(&b).map_err(|e| e.to_string())) {
             Ok(accepted) => {
                 if let Some(p) = self.lock_pending().get_mut(&request) {
@@ -148,6 +215,7 @@ impl RouterShared {
                 Ok(Started {
                     request,
                     worker,
+                    prefill: peer.map(|p| p.node),
                     rx,
                 })
             }
@@ -158,14 +226,34 @@ impl RouterShared {
         }
     }
 
+    async fn ask(
+        &self,
+        node: &str,
+        kind: &str,
+        service: &str,
+        body: Vec<u8>,
+    ) -> Result<Vec<u8>, String> {
+        match self.ctx.links.get(node) {
+            Ok(link) => link
+                .request(kind, ROUTER_SERVICE, service, body, Duration::from_secs(10))
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     /// Tells the worker to drop a request (client gone) and forgets it here.
     fn cancel(self: &Arc<Self>, request: u64) {
         let Some(p) = self.lock_pending().remove(&request) else {
             return;
         };
-        let me = self.clone();
+        self.send_cancel(p.worker, request);
+    }
+
+    fn send_cancel(&self, worker: String, request: u64) {
+        let ctx = self.ctx.clone();
         tokio::spawn(async move {
-            if let Ok(link) = me.ctx.links.get(&p.worker) {
+            if let Ok(link) = ctx.links.get(&worker) {
                 let body = wire::encode_body(&Cancel { request });
                 let _ = link
                     .send(kinds::CANCEL, ROUTER_SERVICE, WORKER_SERVICE, body)
@@ -214,6 +302,8 @@ impl RouterShared {
 struct Started {
     request: u64,
     worker: String,
+    /// The prefill worker, when disaggregated.
+    prefill: Option<String>,
     rx: mpsc::UnboundedReceiver<TokenItem>,
 }
 

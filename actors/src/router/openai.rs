@@ -73,6 +73,8 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<i64>,
     pub best_of: Option<i64>,
+    /// Duet extension: run on this pair, `PREFILL_NODE,DECODE_NODE` (operators and tests).
+    pub duet_pair: Option<String>,
 }
 
 impl Common {

@@ -31,6 +31,7 @@ pub const ACTOR_KINDS: &[&str] = &[
     "echo",
     "router",
     "worker",
+    "bootstrap",
 ];
 
 /// Largest `max_restarts` accepted; beyond this a crash loop is no longer a policy.

@@ -1,0 +1,308 @@
+//! The bootstrap actor, one per prefill node: where a request waits until decode has reserved
+//! pages for it.
+//!
+//! Two halves meet here, in either order: the router's [`PrefillRequest`] and decode's
+//! [`PreallocNotice`] for the same room. When both are in, the pair goes to the prefill worker
+//! (`prefill.start`): P never computes a prompt whose KV has nowhere to land. A request that
+//! waits past `bootstrap_timeout` fails with an error naming the phase; so does a notice
+//! whose request never came (its pages were never written, so decode frees them at once).
+//! Layout hellos are answered by the prefill worker, which holds the model.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_runtime::context::NodeContext;
+use duet_runtime::metrics as m;
+use duet_runtime::services::Inbound;
+use duet_runtime::wire::{self, Envelope};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::task::JoinHandle;
+
+use crate::protocol::{
+    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, PREFILL_SERVICE, PreallocNotice, PrefillRequest,
+    PrefillStart, TransferFailed, WORKER_SERVICE, kinds,
+};
+use crate::settings::ServingConfig;
+
+/// The bootstrap actor.
+pub struct Bootstrap;
+
+/// Remote messages and the deadline tick.
+#[derive(Debug)]
+pub enum BootstrapMsg {
+    /// From the router or a decode worker.
+    Inbound(Inbound),
+    /// Check deadlines.
+    Tick,
+}
+
+duet_runtime::inbound_message!(enum BootstrapMsg::Inbound);
+
+/// The queue.
+pub struct BootstrapState {
+    ctx: Arc<NodeContext>,
+    settings: ServingConfig,
+    host: String,
+    /// Requests without a notice yet, by room.
+    requests: HashMap<u64, (PrefillRequest, Instant)>,
+    /// Notices without a request yet, by room (with the decode node).
+    notices: HashMap<u64, (PreallocNotice, String, Instant)>,
+    /// Rooms aborted before both halves met (the late half is dropped on arrival).
+    dropped: HashMap<u64, Instant>,
+    ticker: JoinHandle<()>,
+}
+
+impl Drop for BootstrapState {
+    fn drop(&mut self) {
+        self.ticker.abort();
+    }
+}
+
+impl Actor for Bootstrap {
+    type Msg = BootstrapMsg;
+    type State = BootstrapState;
+    type Arguments = Arc<NodeContext>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<BootstrapMsg>,
+        ctx: Arc<NodeContext>,
+    ) -> Result<BootstrapState, ActorProcessingErr> {
+        let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
+        let me = myself.clone();
+        let ticker = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                if me.cast(BootstrapMsg::Tick).is_err() {
+                    return;
+                }
+            }
+        });
+        ctx.services.register(BOOTSTRAP_SERVICE, myself);
+        Ok(BootstrapState {
+            ctx,
+            settings,
+            host: duet_transport::host_id(),
+            requests: HashMap::new(),
+            notices: HashMap::new(),
+            dropped: HashMap::new(),
+            ticker,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<BootstrapMsg>,
+        state: &mut BootstrapState,
+    ) -> Result<(), ActorProcessingErr> {
+        state
+            .ctx
+            .services
+            .unregister(BOOTSTRAP_SERVICE, myself.get_id());
+        // What waited here is lost with us: decode's deadlines fail those requests.
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<BootstrapMsg>,
+        msg: BootstrapMsg,
+        state: &mut BootstrapState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            BootstrapMsg::Inbound(inbound) => state.inbound(inbound).await,
+            BootstrapMsg::Tick => state.expire().await,
+        }
+        metrics::gauge!(m::BOOTSTRAP_QUEUE).set(state.requests.len() as f64);
+        Ok(())
+    }
+}
+
+impl BootstrapState {
+    async fn inbound(&mut self, inbound: Inbound) {
+        let kind = inbound.envelope.kind.clone();
+        let from = inbound.envelope.sender_node().to_string();
+        match kind.as_str() {
+            kinds::HELLO => self.forward(kinds::HELLO, inbound),
+            kinds::PREFILL => {
+                let Inbound { envelope, reply } = inbound;
+                let Some(reply) = reply else { return };
+                let request = match wire::decode_body::<PrefillRequest>(&envelope.body) {
+                    Ok(r) => r,
+                    Err(e) => return reply.fail(format!("bootstrap: malformed prefill: {e}")),
+                };
+                reply.ok(wire::encode_body(&Accepted { incarnation: 0 }));
+                let room = request.room;
+                if self.dropped.remove(&room).is_some() {
+                    return;
+                }
+                match self.notices.remove(&room) {
+                    Some((notice, _, _)) => self.start(request, notice, Duration::ZERO),
+                    None => {
+                        self.requests.insert(room, (request, Instant::now()));
+                    }
+                }
+            }
+            kinds::PREALLOC => {
+                let Ok(notice) = wire::decode_body::<PreallocNotice>(&inbound.envelope.body) else {
+                    metrics::counter!(m::LINK_FRAME_ERRORS, "reason" => "malformed_body")
+                        .increment(1);
+                    return;
+                };
+                let room = notice.room;
+                if self.dropped.contains_key(&room) {
+                    // Aborted already; nothing was written for it.
+                    self.send(
+                        &from,
+                        kinds::ABORT_ACK,
+                        &AbortAck {
+                            room,
+                            attempt: notice.attempt,
+                        },
+                    )
+                    .await;
+                    return;
+                }
+                match self.requests.remove(&room) {
+                    Some((request, since)) => self.start(request, notice, since.elapsed()),
+                    None => {
+                        self.notices.insert(room, (notice, from, Instant::now()));
+                    }
+                }
+            }
+            kinds::ABORT => {
+                let Ok(abort) = wire::decode_body::<Abort>(&inbound.envelope.body) else {
+                    return;
+                };
+                let waiting = self.requests.remove(&abort.room).is_some();
+                let noticed = self.notices.remove(&abort.room);
+                if waiting || noticed.is_some() {
+                    // Caught before prefill started: nothing was written.
+                    if let Some(attempt) = abort.attempt {
+                        self.send(
+                            &from,
+                            kinds::ABORT_ACK,
+                            &AbortAck {
+                                room: abort.room,
+                                attempt,
+                            },
+                        )
+                        .await;
+                    }
+                    if !waiting {
+                        self.dropped.insert(abort.room, Instant::now());
+                    }
+                } else if abort.attempt.is_some() {
+                    // In flight (or finished): the prefill worker drains, then acknowledges.
+                    self.forward(kinds::STOP, inbound);
+                } else {
+                    // The router's request has not arrived yet: drop it when it does.
+                    self.dropped.insert(abort.room, Instant::now());
+                }
+            }
+            other => {
+                if let Some(reply) = inbound.reply {
+                    reply.fail(format!("bootstrap does not handle `{other}`"));
+                }
+            }
+        }
+    }
+
+    /// Hands an envelope (and its reply slot) to the prefill worker on this node.
+    fn forward(&self, kind: &str, inbound: Inbound) {
+        let Inbound { envelope, reply } = inbound;
+        let envelope = Envelope {
+            kind: kind.to_string(),
+            target: PREFILL_SERVICE.to_string(),
+            ..envelope
+        };
+        if let Err(e) = self.ctx.services.dispatch(Inbound { envelope, reply }) {
+            tracing::warn!(error = %e, "bootstrap cannot reach the prefill worker");
+        }
+    }
+
+    fn start(&self, request: PrefillRequest, notice: PreallocNotice, waited: Duration) {
+        metrics::histogram!(m::BOOTSTRAP_WAIT).record(waited.as_secs_f64());
+        let backend = self
+            .settings
+            .kv_transport
+            .pick(&self.host, &notice.endpoint.host);
+        let start = PrefillStart {
+            request,
+            notice,
+            backend,
+        };
+        let sender = format!("{}/{BOOTSTRAP_SERVICE}", self.ctx.me.name);
+        let envelope = Envelope::one_way(
+            kinds::START,
+            &sender,
+            PREFILL_SERVICE,
+            wire::encode_body(&start),
+        );
+        if let Err(e) = self.ctx.services.dispatch(Inbound {
+            envelope,
+            reply: None,
+        }) {
+            // No prefill worker (restarting): decode's deadline fails the request.
+            tracing::warn!(error = %e, room = start.notice.room, "cannot start a prefill");
+        }
+    }
+
+    async fn send(&self, node: &str, kind: &str, body: &impl serde::Serialize) {
+        if let Ok(link) = self.ctx.links.get(node) {
+            let _ = link
+                .send(
+                    kind,
+                    BOOTSTRAP_SERVICE,
+                    WORKER_SERVICE,
+                    wire::encode_body(body),
+                )
+                .await;
+        }
+    }
+
+    async fn expire(&mut self) {
+        let limit = self.settings.bootstrap_timeout;
+        let late: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, (_, since))| since.elapsed() > limit)
+            .map(|(room, _)| *room)
+            .collect();
+        for room in late {
+            if let Some((r, _)) = self.requests.remove(&room) {
+                let error = format!(
+                    "prefill bootstrap: no pages from decode {} within {limit:?}",
+                    r.decode
+                );
+                let failed = TransferFailed {
+                    room,
+                    attempt: None,
+                    error,
+                };
+                self.send(&r.decode, kinds::FAILED, &failed).await;
+            }
+        }
+        let late: Vec<u64> = self
+            .notices
+            .iter()
+            .filter(|(_, (_, _, since))| since.elapsed() > limit)
+            .map(|(room, _)| *room)
+            .collect();
+        for room in late {
+            if let Some((n, decode, _)) = self.notices.remove(&room) {
+                let failed = TransferFailed {
+                    room,
+                    attempt: Some(n.attempt),
+                    error: format!(
+                        "prefill bootstrap: the router's request never arrived within {limit:?}"
+                    ),
+                };
+                self.send(&decode, kinds::FAILED, &failed).await;
+            }
+        }
+        self.dropped.retain(|_, since| since.elapsed() <= limit);
+    }
+}

@@ -1,0 +1,1158 @@
+//! The decode worker: one engine, its continuous batch, and the receiving half of
+//! disaggregation (the `KvReceiver` role: the pool's endpoint, the TCP receiver, the grants).
+//!
+//! Requests arrive from the router in two shapes. Without a prefill peer, or when the prompt's
+//! uncached part is under `disagg_threshold`, the worker prefills the prompt itself (the
+//! colocated path). With one, the request walks D's queues:
+//!
+//! ```text
+//!   prealloc ──(every page reserved; PreallocNotice sent)──► transfer ──(TransferDone and
+//!      │ (waits, in order, while the pool is short:              │   the ledger publishes)
+//!      │  backpressure lands on P's bootstrap queue)             ▼
+//!      └─ cancel: Abort{attempt: None}                        running (the scheduler's batch)
+//!   transfer ── cancel / deadline / P failed ──► draining (pins kept) ── AbortAck ──► pages free
+//! ```
+//!
+//! The engine computes on a thread of its own; the actor is its front for remote messages.
+//! Everything that touches pages (the scheduler, the prefix cache, the transfer ledger) lives
+//! on that thread, so page bookkeeping needs no locks. Only the TCP receiver runs elsewhere,
+//! and it writes nothing the ledger has not granted.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_engine::sampling::Sampled;
+use duet_engine::{Engine, EngineOptions, Model, Runner, fetch};
+use duet_gpu::{KvPool, PageId};
+use duet_runtime::config::Role;
+use duet_runtime::context::NodeContext;
+use duet_runtime::membership::MembershipEvent;
+use duet_runtime::metrics as m;
+use duet_runtime::services::Inbound;
+use duet_runtime::wire;
+use duet_transport::shm::ShmRegion;
+use duet_transport::{
+    AbortReason, Endpoint, Grants, LocalRegistration, Side, TcpReceiver, TransferLedger,
+};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use rand::Rng;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::outbox::{self, Outbox};
+use crate::protocol::{
+    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, Cancel, ChunkWritten, Generate, Heartbeat,
+    LayoutHello, LayoutInfo, LoadReport, PreallocNotice, PrefillPeer, ROUTER_SERVICE, TokenBatch,
+    TokenItem, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
+};
+use crate::settings::ServingConfig;
+
+/// The decode worker actor.
+pub struct DecodeWorker;
+
+/// Remote messages, and membership changes.
+#[derive(Debug)]
+pub enum DecodeMsg {
+    /// From the router or a prefill worker.
+    Inbound(Inbound),
+    /// A peer went up or down.
+    Membership(MembershipEvent),
+    /// A hello to a prefill worker finished.
+    Hello {
+        /// The prefill node.
+        node: String,
+        /// Its layout, or why pairing is refused.
+        result: Result<(), String>,
+    },
+}
+
+duet_runtime::inbound_message!(enum DecodeMsg::Inbound);
+
+/// What the engine thread is told.
+enum Cmd {
+    Submit { router: String, generate: Generate },
+    Cancel { router: String, request: u64 },
+    PeerReady(String),
+    PeerRefused(String, String),
+    PeerGone(String, String),
+    Chunk(String, ChunkWritten),
+    Done(String, TransferDone),
+    Failed(String, TransferFailed),
+    AbortAck(String, AbortAck),
+    Shutdown,
+}
+
+/// The running worker. Dropping it stops the engine thread, the receiver and the tasks.
+pub struct DecodeState {
+    ctx: Arc<NodeContext>,
+    incarnation: u64,
+    layout: LayoutInfo,
+    cmds: std_mpsc::Sender<Cmd>,
+    tasks: Vec<JoinHandle<()>>,
+    /// Prefill nodes whose layout matched, and the incarnation of their prefill worker.
+    hellos: HashMap<String, HelloState>,
+    /// The last heartbeat's incarnation of each prefill worker.
+    prefill_incarnations: HashMap<String, u64>,
+    _receiver: Option<TcpReceiver>,
+    _local: LocalRegistration,
+}
+
+enum HelloState {
+    InFlight,
+    Done,
+}
+
+impl Drop for DecodeState {
+    fn drop(&mut self) {
+        let _ = self.cmds.send(Cmd::Shutdown);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Loads the model (fetching the default one if missing).
+pub(crate) fn load_model(s: &ServingConfig) -> Result<Model, String> {
+    let path = if s.model.exists() || !s.model.ends_with(fetch::MODEL_FILE) {
+        s.model.clone()
+    } else {
+        fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?
+    };
+    Model::open(&path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The engine options of a worker.
+pub(crate) fn engine_options(s: &ServingConfig, model: &Model) -> EngineOptions {
+    EngineOptions {
+        kv_dtype: s.kv_dtype,
+        page_size: s.page_size,
+        kv_pages: s.kv_pages,
+        threads: s.threads,
+        max_context: model.config.context_length,
+    }
+}
+
+/// The layout a model and options give.
+pub(crate) fn layout_info(model: &Model, o: &EngineOptions) -> LayoutInfo {
+    LayoutInfo {
+        layout: Engine::layout_for(model, o),
+        fingerprint: model.fingerprint.clone(),
+    }
+}
+
+impl Actor for DecodeWorker {
+    type Msg = DecodeMsg;
+    type State = DecodeState;
+    type Arguments = Arc<NodeContext>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<DecodeMsg>,
+        ctx: Arc<NodeContext>,
+    ) -> Result<DecodeState, ActorProcessingErr> {
+        let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
+        let incarnation: u64 = rand::rng().random();
+        let shm_name = format!("{}-{}-{incarnation:016x}", ctx.config.name, ctx.me.name);
+        let (runner, shm) = {
+            let s = settings.clone();
+            let name = shm_name.clone();
+            tokio::task::spawn_blocking(move || build_decode_runner(&s, &name)).await??
+        };
+        let layout = layout_info(&runner.engine.model, runner.engine.options());
+        let grants = Grants::default();
+        let memory = runner.engine.pool.memory();
+        // The receiver listens on this node's host only (loopback unless the operator put
+        // the node elsewhere); a connection must open with the secret in our endpoint.
+        let bind = std::net::SocketAddr::new(ctx.me.address.ip(), 0);
+        let receiver = match TcpReceiver::start(
+            bind,
+            memory.clone(),
+            grants.clone(),
+            Arc::new(|n| metrics::counter!(m::KV_BYTES_RECEIVED).increment(n)),
+        ) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "no TCP receiver: prefill can write only by shm");
+                None
+            }
+        };
+        let local = LocalRegistration::new(memory);
+        let endpoint = Endpoint {
+            host: duet_transport::host_id(),
+            local: Some(local.key()),
+            shm: shm.then(|| shm_name.clone()),
+            tcp: receiver.as_ref().map(TcpReceiver::endpoint),
+        };
+        let node = ctx.me.name.clone();
+        let load = Arc::new(Mutex::new(LoadReport {
+            worker: node.clone(),
+            kind: WorkerKind::Decode,
+            layout: layout.clone(),
+            bootstrap_queue: 0,
+            incarnation,
+            queued_tokens: 0,
+            waiting: 0,
+            running: 0,
+            free_pages: runner.engine.pool.alloc.free_pages(),
+            total_pages: runner.engine.pool.capacity(),
+            pinned_pages: 0,
+            cached_pages: 0,
+        }));
+        let (cmd_tx, cmd_rx) = std_mpsc::channel();
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);
+        {
+            let load = load.clone();
+            let core = DecodeCore {
+                runner,
+                out: out_tx,
+                outbox,
+                load,
+                grants,
+                endpoint,
+                incarnation,
+                threshold: settings.disagg_threshold,
+                transfer_timeout: settings.request_timeout,
+                max_running: settings.max_running,
+                next_seq: 0,
+                owners: HashMap::new(),
+                seqs: HashMap::new(),
+                ledger: TransferLedger::new(Side::Destination),
+                prealloc: VecDeque::new(),
+                transfers: HashMap::new(),
+                draining: HashMap::new(),
+                ready: HashSet::new(),
+                epoch: Instant::now(),
+            };
+            std::thread::Builder::new()
+                .name(format!("duet-decode-{node}"))
+                .spawn(move || core.run(cmd_rx))?;
+        }
+        let forwarder = tokio::spawn(forward_tokens(ctx.clone(), incarnation, out_rx));
+        let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
+        ctx.services.register(WORKER_SERVICE, myself.clone());
+        ctx.membership
+            .events
+            .subscribe(myself, |e| Some(DecodeMsg::Membership(e)));
+        tracing::info!(%node, incarnation, model = %settings.model.display(), "decode worker ready");
+        Ok(DecodeState {
+            ctx,
+            incarnation,
+            layout,
+            cmds: cmd_tx,
+            tasks: vec![forwarder, reporter, outbox_task],
+            hellos: HashMap::new(),
+            prefill_incarnations: HashMap::new(),
+            _receiver: receiver,
+            _local: local,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<DecodeMsg>,
+        state: &mut DecodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        state
+            .ctx
+            .services
+            .unregister(WORKER_SERVICE, myself.get_id());
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<DecodeMsg>,
+        msg: DecodeMsg,
+        state: &mut DecodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DecodeMsg::Inbound(inbound) => state.inbound(&myself, inbound),
+            DecodeMsg::Hello { node, result } => {
+                let cmd = match result {
+                    Ok(()) => {
+                        state.hellos.insert(node.clone(), HelloState::Done);
+                        Cmd::PeerReady(node)
+                    }
+                    Err(e) => {
+                        // Refused now; a later request tries again (the peer may be fixed).
+                        state.hellos.remove(&node);
+                        Cmd::PeerRefused(node, e)
+                    }
+                };
+                let _ = state.cmds.send(cmd);
+            }
+            DecodeMsg::Membership(MembershipEvent::Down { peer }) => {
+                state.hellos.remove(&peer);
+                let _ = state.cmds.send(Cmd::PeerGone(
+                    peer,
+                    "membership marked the prefill node down".into(),
+                ));
+            }
+            DecodeMsg::Membership(MembershipEvent::Up { .. }) => {}
+        }
+        Ok(())
+    }
+}
+
+impl DecodeState {
+    fn inbound(&mut self, myself: &ActorRef<DecodeMsg>, inbound: Inbound) {
+        let Inbound { envelope, reply } = inbound;
+        let from = envelope.sender_node().to_string();
+        let body = &envelope.body;
+        let cmd = match (envelope.kind.as_str(), reply) {
+            (kinds::GENERATE, Some(reply)) => match wire::decode_body::<Generate>(body) {
+                Ok(generate) => {
+                    if let Some(PrefillPeer { node, .. }) = &generate.prefill {
+                        self.ensure_hello(myself, node);
+                    }
+                    if self
+                        .cmds
+                        .send(Cmd::Submit {
+                            router: from,
+                            generate,
+                        })
+                        .is_err()
+                    {
+                        reply.fail("decode: the engine has stopped");
+                    } else {
+                        reply.ok(wire::encode_body(&Accepted {
+                            incarnation: self.incarnation,
+                        }));
+                    }
+                    return;
+                }
+                Err(e) => {
+                    reply.fail(format!("decode: malformed generate: {e}"));
+                    return;
+                }
+            },
+            (kinds::CANCEL, None) => wire::decode_body::<Cancel>(body).ok().map(|c| Cmd::Cancel {
+                router: from,
+                request: c.request,
+            }),
+            (kinds::CHUNK, None) => wire::decode_body(body).ok().map(|c| Cmd::Chunk(from, c)),
+            (kinds::DONE, None) => wire::decode_body(body).ok().map(|d| Cmd::Done(from, d)),
+            (kinds::FAILED, None) => wire::decode_body(body).ok().map(|f| Cmd::Failed(from, f)),
+            (kinds::ABORT_ACK, None) => {
+                wire::decode_body(body).ok().map(|a| Cmd::AbortAck(from, a))
+            }
+            (kinds::HEARTBEAT, None) => {
+                if let Ok(h) = wire::decode_body::<Heartbeat>(body) {
+                    self.heartbeat(&from, h);
+                }
+                None
+            }
+            (other, Some(reply)) => {
+                reply.fail(format!("decode worker does not handle `{other}`"));
+                None
+            }
+            (other, None) => {
+                tracing::warn!(kind = other, "decode worker ignored a one-way message");
+                None
+            }
+        };
+        match cmd {
+            Some(cmd) => {
+                let _ = self.cmds.send(cmd);
+            }
+            None if !matches!(envelope.kind.as_str(), kinds::HEARTBEAT | kinds::GENERATE) => {
+                metrics::counter!(m::LINK_FRAME_ERRORS, "reason" => "malformed_body").increment(1);
+            }
+            None => {}
+        }
+    }
+
+    /// A new prefill worker incarnation proves the old one's writers are gone (its sender
+    /// thread is joined before it stops), so transfers with it end and their pins drop.
+    fn heartbeat(&mut self, from: &str, h: Heartbeat) {
+        let known = self
+            .prefill_incarnations
+            .insert(from.to_string(), h.incarnation);
+        if known.is_some_and(|k| k != h.incarnation) {
+            let _ = self.cmds.send(Cmd::PeerGone(
+                from.to_string(),
+                "the prefill worker restarted".into(),
+            ));
+        }
+    }
+
+    /// First contact with a prefill node: exchange layouts; refuse a mismatch naming both.
+    fn ensure_hello(&mut self, myself: &ActorRef<DecodeMsg>, node: &str) {
+        if self.hellos.contains_key(node) {
+            return;
+        }
+        self.hellos.insert(node.to_string(), HelloState::InFlight);
+        let hello = LayoutHello {
+            node: self.ctx.me.name.clone(),
+            incarnation: self.incarnation,
+            layout: self.layout.clone(),
+        };
+        let (ctx, me, node) = (self.ctx.clone(), myself.clone(), node.to_string());
+        tokio::spawn(async move {
+            let answer = match ctx.links.get(&node) {
+                Ok(link) => link
+                    .request(
+                        kinds::HELLO,
+                        WORKER_SERVICE,
+                        BOOTSTRAP_SERVICE,
+                        wire::encode_body(&hello),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let result = answer
+                .and_then(|b| wire::decode_body::<LayoutHello>(&b).map_err(|e| e.to_string()))
+                .and_then(|theirs| {
+                    match hello
+                        .layout
+                        .mismatch(&theirs.layout, &hello.node, &theirs.node)
+                    {
+                        Some(e) => Err(e),
+                        None => Ok(()),
+                    }
+                });
+            let _ = me.cast(DecodeMsg::Hello { node, result });
+        });
+    }
+}
+
+/// Builds the decode engine with its pool in shared memory when the host allows (so a prefill
+/// worker on this host can write it directly); otherwise on the heap (TCP and local only).
+fn build_decode_runner(s: &ServingConfig, shm_name: &str) -> Result<(Runner, bool), String> {
+    let model = load_model(s)?;
+    let options = engine_options(s, &model);
+    let layout = layout_info(&model, &options).layout;
+    let bytes = layout.page_bytes() * options.kv_pages;
+    let (pool, shm) = match ShmRegion::create(shm_name, bytes) {
+        Ok(region) => (
+            KvPool::with_memory(layout, options.kv_pages, Arc::new(region))
+                .map_err(|e| e.to_string())?,
+            true,
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "decode pool on the heap: no shared-memory transfers");
+            (
+                KvPool::new(layout, options.kv_pages).map_err(|e| e.to_string())?,
+                false,
+            )
+        }
+    };
+    let engine = Engine::with_pool(model, options, pool).map_err(|e| e.to_string())?;
+    Ok((Runner::new(engine, s.max_batch_tokens, s.max_running), shm))
+}
+
+/// A request waiting for pages.
+struct Prealloc {
+    seq: u64,
+    router: String,
+    generate: Generate,
+    peer: PrefillPeer,
+    since: Instant,
+}
+
+/// A request whose KV is on its way.
+struct Transfer {
+    seq: u64,
+    router: String,
+    generate: Generate,
+    peer: PrefillPeer,
+    attempt: u64,
+    prefix: Vec<PageId>,
+    pages: Vec<PageId>,
+    noticed: Instant,
+    bytes: u64,
+}
+
+/// The engine thread's state.
+struct DecodeCore {
+    runner: Runner,
+    out: mpsc::UnboundedSender<Vec<(String, TokenItem)>>,
+    outbox: Outbox,
+    load: Arc<Mutex<LoadReport>>,
+    grants: Grants,
+    endpoint: Endpoint,
+    incarnation: u64,
+    threshold: usize,
+    transfer_timeout: Duration,
+    max_running: usize,
+    next_seq: u64,
+    /// Local sequence id -> (router, router's request id), and back.
+    owners: HashMap<u64, (String, u64)>,
+    seqs: HashMap<(String, u64), u64>,
+    ledger: TransferLedger,
+    prealloc: VecDeque<Prealloc>,
+    /// By (prefill node, room).
+    transfers: HashMap<(String, u64), Transfer>,
+    /// Aborted attempts waiting for their AbortAck: attempt -> (prefill node, room).
+    draining: HashMap<u64, (String, u64)>,
+    /// Prefill nodes whose hello succeeded.
+    ready: HashSet<String>,
+    epoch: Instant,
+}
+
+impl DecodeCore {
+    fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
+        loop {
+            let idle = self.runner.scheduler.is_idle();
+            let first = if idle {
+                // Nothing to compute: wake for a command, or to check transfer deadlines.
+                match cmds.recv_timeout(Duration::from_millis(200)) {
+                    Ok(c) => Some(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                None
+            };
+            let mut items = Vec::new();
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
+            {
+                if matches!(cmd, Cmd::Shutdown) {
+                    return;
+                }
+                self.command(cmd, &mut items);
+            }
+            self.preallocate(&mut items);
+            self.expire(&mut items);
+            if !self.runner.scheduler.is_idle() {
+                self.step(&mut items);
+            }
+            self.publish_load();
+            if !items.is_empty() && self.out.send(items).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn command(&mut self, cmd: Cmd, items: &mut Vec<(String, TokenItem)>) {
+        match cmd {
+            Cmd::Submit { router, generate } => {
+                self.next_seq += 1;
+                let seq = self.next_seq;
+                if self.seqs.contains_key(&(router.clone(), generate.request)) {
+                    return;
+                }
+                self.owners.insert(seq, (router.clone(), generate.request));
+                self.seqs.insert((router.clone(), generate.request), seq);
+                match generate.prefill.clone() {
+                    Some(peer) => self.prealloc.push_back(Prealloc {
+                        seq,
+                        router,
+                        generate,
+                        peer,
+                        since: Instant::now(),
+                    }),
+                    None => self.submit_local(seq, router, generate, items),
+                }
+            }
+            Cmd::Cancel { router, request } => {
+                if let Some(seq) = self.seqs.remove(&(router, request)) {
+                    self.owners.remove(&seq);
+                    self.abort_seq(seq, AbortReason::ClientCancel);
+                }
+            }
+            Cmd::PeerReady(node) => {
+                self.ready.insert(node);
+            }
+            Cmd::PeerRefused(node, error) => {
+                self.ready.remove(&node);
+                let refused = self.take_prealloc(|p| p.peer.node == node);
+                for p in refused {
+                    self.fail(p.seq, format!("decode prealloc: {error}"), items);
+                    self.outbox.send(
+                        &node,
+                        BOOTSTRAP_SERVICE,
+                        kinds::ABORT,
+                        &Abort {
+                            room: p.peer.room,
+                            attempt: None,
+                        },
+                    );
+                }
+            }
+            Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
+            Cmd::Chunk(node, c) => {
+                if let Some(t) = self.transfers.get_mut(&(node, c.room))
+                    && t.attempt == c.attempt
+                {
+                    t.bytes = c.bytes;
+                }
+            }
+            Cmd::Done(node, d) => self.done(node, d, items),
+            Cmd::Failed(node, f) => {
+                if let Some(attempt) = f.attempt {
+                    // P's writes for it have drained: abort then close at once.
+                    if let Some(t) = self.transfers.remove(&(node.clone(), f.room))
+                        && t.attempt == attempt
+                    {
+                        self.end_transfer(&t, AbortReason::ProducerFailure, true);
+                        self.fail(t.seq, f.error, items);
+                    } else {
+                        self.close_draining(attempt);
+                    }
+                } else {
+                    let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
+                    for p in gone {
+                        self.fail(p.seq, f.error.clone(), items);
+                    }
+                }
+            }
+            Cmd::AbortAck(node, a) => {
+                // Only the peer the attempt was with can prove its writes drained.
+                if self
+                    .draining
+                    .get(&a.attempt)
+                    .is_some_and(|(n, _)| *n == node)
+                {
+                    self.close_draining(a.attempt);
+                }
+            }
+            Cmd::Shutdown => {}
+        }
+    }
+
+    fn take_prealloc(&mut self, pred: impl Fn(&Prealloc) -> bool) -> VecDeque<Prealloc> {
+        let (taken, kept) = std::mem::take(&mut self.prealloc)
+            .into_iter()
+            .partition(|p| pred(p));
+        self.prealloc = kept;
+        taken
+    }
+
+    fn submit_local(
+        &mut self,
+        seq: u64,
+        router: String,
+        generate: Generate,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        if let Err(e) = self.runner.submit(seq, generate.prompt, generate.params) {
+            self.owners.remove(&seq);
+            self.seqs.remove(&(router.clone(), generate.request));
+            items.push((
+                router,
+                TokenItem::failed(generate.request, format!("decode admission: {e}")),
+            ));
+        }
+    }
+
+    /// Reserves pages for waiting requests, in arrival order, while the pool allows; sends
+    /// each its notice. A request whose uncached part is short is prefilled here instead.
+    fn preallocate(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        while let Some(p) = self.prealloc.front() {
+            if !self.ready.contains(&p.peer.node) {
+                // Its hello is in flight; later requests for ready peers may still go
+                // (order matters only among requests that can proceed).
+                if let Some(i) = self
+                    .prealloc
+                    .iter()
+                    .position(|q| self.ready.contains(&q.peer.node))
+                {
+                    let q = self.prealloc.remove(i);
+                    if let Some(q) = q
+                        && !self.try_prealloc(q, items)
+                    {
+                        break;
+                    }
+                    continue;
+                }
+                break;
+            }
+            let Some(p) = self.prealloc.pop_front() else {
+                break;
+            };
+            if !self.try_prealloc(p, items) {
+                break;
+            }
+        }
+        metrics::gauge!(m::PREALLOC_QUEUE).set(self.prealloc.len() as f64);
+    }
+
+    /// Returns false (and puts the request back at the front) when the pool is short.
+    fn try_prealloc(&mut self, p: Prealloc, items: &mut Vec<(String, TokenItem)>) -> bool {
+        let ps = self.runner.engine.options().page_size;
+        let prompt = &p.generate.prompt;
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let prefix =
+            match self
+                .runner
+                .cache
+                .acquire(prompt, prompt.len().saturating_sub(1) / ps, alloc)
+            {
+                Ok(pages) => pages,
+                Err(e) => {
+                    self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                    return true;
+                }
+            };
+        let cached = prefix.len() * ps;
+        let abort_p = |outbox: &Outbox, p: &Prealloc| {
+            outbox.send(
+                &p.peer.node,
+                BOOTSTRAP_SERVICE,
+                kinds::ABORT,
+                &Abort {
+                    room: p.peer.room,
+                    attempt: None,
+                },
+            )
+        };
+        if prompt.len() - cached < self.threshold || prompt.is_empty() {
+            // Cheaper to prefill the short uncached rest here than to pair for it.
+            let _ = alloc.release_all(&prefix);
+            abort_p(&self.outbox, &p);
+            metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
+            let Prealloc {
+                seq,
+                router,
+                mut generate,
+                ..
+            } = p;
+            generate.prefill = None;
+            self.submit_local(seq, router, generate, items);
+            return true;
+        }
+        let need = prompt.len().div_ceil(ps) - prefix.len();
+        let (waiting, running) = self.runner.scheduler.queue_lengths();
+        let busy = waiting + running + self.transfers.len() >= self.max_running;
+        if alloc.free_pages() < need {
+            let short = need - alloc.free_pages();
+            self.runner.cache.evict(short, alloc);
+        }
+        if busy || alloc.free_pages() < need {
+            // Backpressure: no notice until every page can be reserved.
+            let _ = alloc.release_all(&prefix);
+            self.prealloc.push_front(p);
+            return false;
+        }
+        let pages = match alloc.alloc(need) {
+            Ok(pages) => pages,
+            Err(e) => {
+                let _ = alloc.release_all(&prefix);
+                self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                return true;
+            }
+        };
+        let attempt = match self
+            .ledger
+            .open(p.peer.room, &p.peer.node, pages.clone(), true, alloc)
+        {
+            Ok(k) => k,
+            Err(e) => {
+                let _ = alloc.release_all(&prefix);
+                let _ = alloc.release_all(&pages);
+                self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                abort_p(&self.outbox, &p);
+                return true;
+            }
+        };
+        let layout = *self.runner.engine.pool.layout();
+        self.grants.grant(attempt, &layout, &pages);
+        let notice = PreallocNotice {
+            room: p.peer.room,
+            attempt,
+            pages: pages.clone(),
+            decode_prefix_len: cached,
+            incarnation: self.incarnation,
+            endpoint: self.endpoint.clone(),
+        };
+        self.outbox
+            .send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
+        tracing::debug!(
+            room = p.peer.room,
+            attempt,
+            pages = need,
+            cached,
+            "notice sent"
+        );
+        self.transfers.insert(
+            (p.peer.node.clone(), p.peer.room),
+            Transfer {
+                seq: p.seq,
+                router: p.router,
+                generate: p.generate,
+                peer: p.peer,
+                attempt,
+                prefix,
+                pages,
+                noticed: Instant::now(),
+                bytes: 0,
+            },
+        );
+        true
+    }
+
+    /// The KV is complete: publish it and start decoding with P's first token.
+    fn done(&mut self, node: String, d: TransferDone, items: &mut Vec<(String, TokenItem)>) {
+        let key = (node, d.room);
+        let Some(t) = self.transfers.get(&key) else {
+            return; // aborted meanwhile, or a duplicate
+        };
+        if t.attempt != d.attempt {
+            return; // an old attempt's message never touches a newer one
+        }
+        let Some(t) = self.transfers.remove(&key) else {
+            return;
+        };
+        let alloc = &mut self.runner.engine.pool.alloc;
+        match self.ledger.complete(t.attempt, alloc) {
+            Ok((duet_transport::Outcome::Applied, _)) => {}
+            other => {
+                tracing::error!(
+                    ?other,
+                    attempt = t.attempt,
+                    "a done that the ledger refused"
+                );
+                return;
+            }
+        }
+        self.grants.revoke(t.attempt);
+        self.ledger.prune();
+        let latency = t.noticed.elapsed().as_secs_f64();
+        metrics::histogram!(m::TRANSFER_LATENCY).record(latency);
+        metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "completed").increment(1);
+        // What the client sees as cached: the larger of what D held and what P reused.
+        let cached =
+            (t.prefix.len() * self.runner.engine.options().page_size).max(d.prefill_cached);
+        let mut pages = t.prefix;
+        pages.extend_from_slice(&t.pages);
+        let first = Sampled {
+            token: d.token,
+            logprob: d.logprob,
+        };
+        let tok = &self.runner.engine.model.tokenizer;
+        match self.runner.scheduler.admit_transferred(
+            t.seq,
+            t.generate.prompt,
+            t.generate.params,
+            d.sampler,
+            pages.clone(),
+            first,
+            cached,
+            tok,
+            &mut self.runner.engine.pool.alloc,
+            &mut self.runner.cache,
+        ) {
+            Ok(ev) => {
+                let finished = ev.finish.is_some();
+                items.push((
+                    t.router.clone(),
+                    TokenItem {
+                        request: t.generate.request,
+                        token: Some(ev.token),
+                        logprob: ev.logprob,
+                        text: ev.text,
+                        finish: ev.finish,
+                        error: None,
+                        cached_tokens: ev.cached_tokens,
+                    },
+                ));
+                if finished {
+                    self.owners.remove(&t.seq);
+                    self.seqs.remove(&(t.router, t.generate.request));
+                }
+            }
+            Err(e) => {
+                let _ = self.runner.engine.pool.alloc.release_all(&pages);
+                self.fail(t.seq, format!("decode admit: {e}"), items);
+            }
+        }
+    }
+
+    /// Ends a transfer that will not complete: the ledger keeps the pins until P proves its
+    /// writes drained (`closed` when it already did).
+    fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, closed: bool) {
+        let now = self.now_ms();
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let _ = self.ledger.abort(t.attempt, reason, now, alloc);
+        let _ = alloc.release_all(&t.prefix);
+        metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
+        if closed {
+            let _ = self.ledger.drained(t.attempt, alloc);
+            self.grants.revoke(t.attempt);
+        } else {
+            self.draining
+                .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
+            self.outbox.send(
+                &t.peer.node,
+                BOOTSTRAP_SERVICE,
+                kinds::ABORT,
+                &Abort {
+                    room: t.peer.room,
+                    attempt: Some(t.attempt),
+                },
+            );
+        }
+    }
+
+    fn close_draining(&mut self, attempt: u64) {
+        if self.draining.remove(&attempt).is_some() {
+            let _ = self
+                .ledger
+                .drained(attempt, &mut self.runner.engine.pool.alloc);
+            self.grants.revoke(attempt);
+            self.ledger.prune();
+        }
+    }
+
+    /// Stops a request wherever it is.
+    fn abort_seq(&mut self, seq: u64, reason: AbortReason) {
+        if let Some(i) = self.prealloc.iter().position(|p| p.seq == seq) {
+            if let Some(p) = self.prealloc.remove(i) {
+                self.outbox.send(
+                    &p.peer.node,
+                    BOOTSTRAP_SERVICE,
+                    kinds::ABORT,
+                    &Abort {
+                        room: p.peer.room,
+                        attempt: None,
+                    },
+                );
+            }
+            return;
+        }
+        let key = self
+            .transfers
+            .iter()
+            .find(|(_, t)| t.seq == seq)
+            .map(|(k, _)| k.clone());
+        if let Some(t) = key.and_then(|k| self.transfers.remove(&k)) {
+            self.end_transfer(&t, reason, false);
+            return;
+        }
+        if let Err(e) = self.runner.abort(seq) {
+            tracing::error!(error = %e, "abort left the pool inconsistent");
+        }
+    }
+
+    /// A prefill worker is gone: nothing of it can write any more.
+    fn peer_gone(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
+        self.ready.remove(node);
+        let now = self.now_ms();
+        let lost: Vec<(String, u64)> = self
+            .transfers
+            .keys()
+            .filter(|(n, _)| n == node)
+            .cloned()
+            .collect();
+        for k in lost {
+            if let Some(t) = self.transfers.remove(&k) {
+                let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);
+                self.grants.revoke(t.attempt);
+                self.fail(
+                    t.seq,
+                    format!("decode transfer: prefill {node} lost: {why}"),
+                    items,
+                );
+            }
+        }
+        match self
+            .ledger
+            .endpoint_destroyed(node, now, &mut self.runner.engine.pool.alloc)
+        {
+            Ok(keys) => {
+                for k in keys {
+                    self.draining.remove(&k);
+                    self.grants.revoke(k);
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "ledger refused endpoint_destroyed"),
+        }
+        for p in self.take_prealloc(|p| p.peer.node == node) {
+            self.fail(
+                p.seq,
+                format!("decode prealloc: prefill {node} lost: {why}"),
+                items,
+            );
+        }
+    }
+
+    /// Transfers past their deadline fail (and drain).
+    fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        let late: Vec<(String, u64)> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.noticed.elapsed() > self.transfer_timeout)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in late {
+            if let Some(t) = self.transfers.remove(&k) {
+                self.end_transfer(&t, AbortReason::Timeout, false);
+                let limit = self.transfer_timeout;
+                self.fail(
+                    t.seq,
+                    format!("decode transfer: KV incomplete after {limit:?}"),
+                    items,
+                );
+            }
+        }
+        let late: Vec<u64> = self
+            .prealloc
+            .iter()
+            .filter(|p| p.since.elapsed() > self.transfer_timeout)
+            .map(|p| p.seq)
+            .collect();
+        for seq in late {
+            self.abort_seq(seq, AbortReason::Timeout);
+            let limit = self.transfer_timeout;
+            self.fail(
+                seq,
+                format!("decode prealloc: no pages for the prompt within {limit:?}"),
+                items,
+            );
+        }
+    }
+
+    /// Fails a request to its router (if it still has one).
+    fn fail(&mut self, seq: u64, error: String, items: &mut Vec<(String, TokenItem)>) {
+        if let Some((router, request)) = self.owners.remove(&seq) {
+            self.seqs.remove(&(router.clone(), request));
+            items.push((router, TokenItem::failed(request, error)));
+        }
+    }
+
+    fn step(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        match self.runner.step() {
+            Ok(events) => {
+                for ev in events {
+                    let Some((router, request)) = self.owners.get(&ev.seq).cloned() else {
+                        continue;
+                    };
+                    if ev.finish.is_some() {
+                        self.owners.remove(&ev.seq);
+                        self.seqs.remove(&(router.clone(), request));
+                    }
+                    items.push((
+                        router,
+                        TokenItem {
+                            request,
+                            token: Some(ev.token),
+                            logprob: ev.logprob,
+                            text: ev.text,
+                            finish: ev.finish,
+                            error: None,
+                            cached_tokens: ev.cached_tokens,
+                        },
+                    ));
+                }
+            }
+            Err(e) => {
+                // A step that cannot run fails every running request; transfers go on.
+                tracing::error!(error = %e, "engine step failed");
+                let running: Vec<u64> = self
+                    .owners
+                    .keys()
+                    .copied()
+                    .filter(|s| {
+                        !self.prealloc.iter().any(|p| p.seq == *s)
+                            && !self.transfers.values().any(|t| t.seq == *s)
+                    })
+                    .collect();
+                for seq in running {
+                    let _ = self.runner.abort(seq);
+                    self.fail(seq, format!("decode step: {e}"), items);
+                }
+            }
+        }
+    }
+
+    fn publish_load(&self) {
+        let runner = &self.runner;
+        let stats = runner.engine.pool.alloc.stats();
+        let (waiting, running) = runner.scheduler.queue_lengths();
+        let mut l = self.load.lock().unwrap_or_else(|p| p.into_inner());
+        l.queued_tokens = runner.scheduler.queued_tokens()
+            + self
+                .prealloc
+                .iter()
+                .map(|p| p.generate.prompt.len())
+                .sum::<usize>();
+        l.waiting = waiting + self.prealloc.len() + self.transfers.len();
+        l.running = running;
+        l.free_pages = stats.free;
+        l.pinned_pages = stats.pinned;
+        l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
+    }
+}
+
+/// Sends each step's items to the routers that own them, one envelope per router per step.
+pub(crate) async fn forward_tokens(
+    ctx: Arc<NodeContext>,
+    incarnation: u64,
+    mut steps: mpsc::UnboundedReceiver<Vec<(String, TokenItem)>>,
+) {
+    while let Some(items) = steps.recv().await {
+        let mut by_router: HashMap<String, Vec<TokenItem>> = HashMap::new();
+        for (router, item) in items {
+            by_router.entry(router).or_default().push(item);
+        }
+        for (router, items) in by_router {
+            let batch = TokenBatch {
+                worker: ctx.me.name.clone(),
+                incarnation,
+                items,
+            };
+            let sent = match ctx.links.get(&router) {
+                Ok(link) => {
+                    link.send(
+                        kinds::EVENTS,
+                        WORKER_SERVICE,
+                        ROUTER_SERVICE,
+                        wire::encode_body(&batch),
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = sent {
+                // The router is gone; its requests fail there on its own deadline.
+                tracing::warn!(%router, error = %e, "cannot deliver tokens");
+            }
+        }
+    }
+}
+
+/// Tells every router this worker's load, every `interval`.
+pub(crate) async fn report_load(
+    ctx: Arc<NodeContext>,
+    interval: Duration,
+    load: Arc<Mutex<LoadReport>>,
+) {
+    let routers: Vec<String> = ctx
+        .config
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Router && n.name != ctx.me.name)
+        .map(|n| n.name.clone())
+        .collect();
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        let report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        metrics::gauge!(m::KV_PAGES_TOTAL).set(report.total_pages as f64);
+        metrics::gauge!(m::KV_PAGES_FREE).set(report.free_pages as f64);
+        metrics::gauge!(m::KV_PAGES_CACHED).set(report.cached_pages as f64);
+        metrics::gauge!(m::KV_PAGES_PINNED).set(report.pinned_pages as f64);
+        metrics::gauge!(m::SEQS_RUNNING).set(report.running as f64);
+        metrics::gauge!(m::SEQS_WAITING).set(report.waiting as f64);
+        let body = wire::encode_body(&report);
+        for r in &routers {
+            if let Ok(link) = ctx.links.get(r) {
+                let _ = link
+                    .send(kinds::LOAD, WORKER_SERVICE, ROUTER_SERVICE, body.clone())
+                    .await;
+            }
+        }
+    }
+}

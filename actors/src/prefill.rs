@@ -1,0 +1,788 @@
+//! The prefill worker and its `KvSender`: chunked prefill whose finished pages stream into
+//! decode's reserved pages while the next chunk computes.
+//!
+//! ```text
+//!   engine thread                                  sender thread (KvSender)
+//!   plan ─ step(chunk k) ─ pin chunk k's full pages ──Write──► write runs into D's pages
+//!   plan ─ step(chunk k+1) ...                                 ChunkWritten ──► D
+//!   last chunk: pin the rest (partial page too), commit: first token + sampler state
+//!                                      ──Finish──► fence; TransferDone ──► D
+//!   ◄────────────────────────────────── Sent ───── (source pins drop: ledger complete)
+//!   abort: stop computing; ──Drain──► fence; AbortAck ──► D; ◄── Drained (pins drop)
+//! ```
+//!
+//! Non-final writes carry only full pages (the partial last page is rewritten by the next
+//! chunk), so every write is page-aligned. The sender runs jobs in order, so a Finish or
+//! Drain fence covers every write queued before it. The source pins (the transfer ledger,
+//! source side) keep a page from reuse while a write may still read it, even after the
+//! sequence itself has ended on this side.
+
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_engine::{Engine, Runner};
+use duet_gpu::{PageId, PoolMemory};
+use duet_runtime::config::Role;
+use duet_runtime::context::NodeContext;
+use duet_runtime::metrics as m;
+use duet_runtime::services::Inbound;
+use duet_runtime::wire;
+use duet_transport::{
+    AbortReason, Backend, Endpoint, KvTransport, PageRun, Side, TransferLedger, coalesce,
+};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use rand::Rng;
+use tokio::task::JoinHandle;
+
+use crate::decode::{engine_options, layout_info, load_model, report_load};
+use crate::outbox::{self, Outbox};
+use crate::protocol::{
+    Abort, AbortAck, ChunkWritten, Heartbeat, LayoutHello, LayoutInfo, LoadReport, PREFILL_SERVICE,
+    PrefillStart, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
+};
+use crate::settings::ServingConfig;
+
+/// The prefill worker actor.
+pub struct PrefillWorker;
+
+/// Local messages from the bootstrap actor.
+#[derive(Debug)]
+pub struct PrefillMsg(Inbound);
+
+duet_runtime::inbound_message!(struct PrefillMsg);
+
+enum Cmd {
+    Start(Box<PrefillStart>),
+    Abort { decode: String, abort: Abort },
+    Sent { seq: u64 },
+    Drained { seq: u64 },
+    SendFailed { seq: u64, error: String },
+    Shutdown,
+}
+
+/// The running worker. Dropping it stops the engine thread; the sender thread stops between
+/// jobs, and the next incarnation joins it before announcing itself to decode workers.
+pub struct PrefillState {
+    ctx: Arc<NodeContext>,
+    incarnation: u64,
+    layout: LayoutInfo,
+    cmds: std_mpsc::Sender<Cmd>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for PrefillState {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.cmds.send(Cmd::Shutdown);
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The previous incarnation's sender thread, joined before a new one starts: once joined,
+/// nothing of the old incarnation can write into a decode pool.
+static LAST_SENDER: Mutex<Option<std::thread::JoinHandle<()>>> = Mutex::new(None);
+
+impl Actor for PrefillWorker {
+    type Msg = PrefillMsg;
+    type State = PrefillState;
+    type Arguments = Arc<NodeContext>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PrefillMsg>,
+        ctx: Arc<NodeContext>,
+    ) -> Result<PrefillState, ActorProcessingErr> {
+        let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
+        let previous = LAST_SENDER.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let runner = {
+            let s = settings.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Some(h) = previous {
+                    let _ = h.join();
+                }
+                let model = load_model(&s)?;
+                let options = engine_options(&s, &model);
+                let engine = Engine::new(model, options).map_err(|e| e.to_string())?;
+                Ok::<_, String>(Runner::new(engine, s.max_batch_tokens, s.max_running))
+            })
+            .await??
+        };
+        let layout = layout_info(&runner.engine.model, runner.engine.options());
+        let incarnation: u64 = rand::rng().random();
+        let node = ctx.me.name.clone();
+        let load = Arc::new(Mutex::new(LoadReport {
+            worker: node.clone(),
+            kind: WorkerKind::Prefill,
+            layout: layout.clone(),
+            bootstrap_queue: 0,
+            incarnation,
+            queued_tokens: 0,
+            waiting: 0,
+            running: 0,
+            free_pages: runner.engine.pool.alloc.free_pages(),
+            total_pages: runner.engine.pool.capacity(),
+            pinned_pages: 0,
+            cached_pages: 0,
+        }));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (cmd_tx, cmd_rx) = std_mpsc::channel();
+        let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);
+        let (job_tx, job_rx) = std_mpsc::channel();
+        let sender = {
+            let sender = KvSender {
+                memory: runner.engine.pool.memory(),
+                layout: *runner.engine.pool.layout(),
+                outbox: outbox.clone(),
+                done: cmd_tx.clone(),
+                stop: stop.clone(),
+                links: HashMap::new(),
+                progress: HashMap::new(),
+            };
+            std::thread::Builder::new()
+                .name(format!("duet-kv-sender-{node}"))
+                .spawn(move || sender.run(job_rx))?
+        };
+        *LAST_SENDER.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender);
+        {
+            let core = PrefillCore {
+                runner,
+                ledger: TransferLedger::new(Side::Source),
+                jobs: job_tx,
+                outbox,
+                load: load.clone(),
+                flights: HashMap::new(),
+                rooms: HashMap::new(),
+                next_seq: 0,
+                epoch: Instant::now(),
+                stop: stop.clone(),
+            };
+            std::thread::Builder::new()
+                .name(format!("duet-prefill-{node}"))
+                .spawn(move || core.run(cmd_rx))?;
+        }
+        let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
+        let heartbeat = tokio::spawn(heartbeats(ctx.clone(), settings.load_interval, incarnation));
+        ctx.services.register(PREFILL_SERVICE, myself);
+        tracing::info!(%node, incarnation, "prefill worker ready");
+        Ok(PrefillState {
+            ctx,
+            incarnation,
+            layout,
+            cmds: cmd_tx,
+            stop,
+            tasks: vec![reporter, heartbeat, outbox_task],
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<PrefillMsg>,
+        state: &mut PrefillState,
+    ) -> Result<(), ActorProcessingErr> {
+        state
+            .ctx
+            .services
+            .unregister(PREFILL_SERVICE, myself.get_id());
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<PrefillMsg>,
+        PrefillMsg(inbound): PrefillMsg,
+        state: &mut PrefillState,
+    ) -> Result<(), ActorProcessingErr> {
+        let Inbound { envelope, reply } = inbound;
+        let from = envelope.sender_node().to_string();
+        match (envelope.kind.as_str(), reply) {
+            (kinds::HELLO, Some(reply)) => match wire::decode_body::<LayoutHello>(&envelope.body) {
+                Ok(theirs) => {
+                    let me = state.ctx.me.name.clone();
+                    match state.layout.mismatch(&theirs.layout, &me, &theirs.node) {
+                        Some(e) => reply.fail(e),
+                        None => reply.ok(wire::encode_body(&LayoutHello {
+                            node: me,
+                            incarnation: state.incarnation,
+                            layout: state.layout.clone(),
+                        })),
+                    }
+                }
+                Err(e) => reply.fail(format!("prefill: malformed hello: {e}")),
+            },
+            (kinds::START, None) => {
+                if let Ok(start) = wire::decode_body::<PrefillStart>(&envelope.body) {
+                    let _ = state.cmds.send(Cmd::Start(Box::new(start)));
+                }
+            }
+            (kinds::STOP, None) => {
+                if let Ok(abort) = wire::decode_body::<Abort>(&envelope.body) {
+                    let _ = state.cmds.send(Cmd::Abort {
+                        decode: from,
+                        abort,
+                    });
+                }
+            }
+            (other, Some(reply)) => reply.fail(format!("prefill does not handle `{other}`")),
+            (other, None) => tracing::warn!(kind = other, "prefill ignored a message"),
+        }
+        Ok(())
+    }
+}
+
+/// Tells every decode node this worker's incarnation, every `interval`.
+async fn heartbeats(ctx: Arc<NodeContext>, interval: Duration, incarnation: u64) {
+    let decoders: Vec<String> = ctx
+        .config
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Decode)
+        .map(|n| n.name.clone())
+        .collect();
+    let body = wire::encode_body(&Heartbeat { incarnation });
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        for d in &decoders {
+            if let Ok(link) = ctx.links.get(d) {
+                let _ = link
+                    .send(
+                        kinds::HEARTBEAT,
+                        PREFILL_SERVICE,
+                        WORKER_SERVICE,
+                        body.clone(),
+                    )
+                    .await;
+            }
+        }
+    }
+}
+
+/// One request being prefilled for a decode worker.
+struct Flight {
+    start: PrefillStart,
+    decode: String,
+    /// This side's ledger key (source pins).
+    key: u64,
+    /// Next page index of the sequence to send (starts past decode's cached prefix).
+    next_page: usize,
+    /// Index of the first page decode does not hold (the notice's pages start there).
+    skip: usize,
+    matched: Instant,
+    first_chunk: Option<Instant>,
+    aborted: bool,
+}
+
+enum Job {
+    Write {
+        seq: u64,
+        to: Target,
+        runs: Vec<PageRun>,
+        pages_so_far: usize,
+    },
+    Finish {
+        seq: u64,
+        to: Target,
+        done: TransferDone,
+        compute_end: Instant,
+    },
+    Drain {
+        seq: u64,
+        to: Target,
+        failed: Option<String>,
+    },
+}
+
+#[derive(Clone)]
+struct Target {
+    node: String,
+    incarnation: u64,
+    endpoint: Endpoint,
+    backend: Backend,
+    room: u64,
+    attempt: u64,
+}
+
+struct PrefillCore {
+    runner: Runner,
+    ledger: TransferLedger,
+    jobs: std_mpsc::Sender<Job>,
+    outbox: Outbox,
+    load: Arc<Mutex<LoadReport>>,
+    flights: HashMap<u64, Flight>,
+    /// (decode node, room) -> sequence.
+    rooms: HashMap<(String, u64), u64>,
+    next_seq: u64,
+    epoch: Instant,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PrefillCore {
+    fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
+        loop {
+            if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            let first = if self.runner.scheduler.is_idle() {
+                match cmds.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
+            {
+                if matches!(cmd, Cmd::Shutdown) {
+                    return;
+                }
+                self.command(cmd);
+            }
+            if !self.runner.scheduler.is_idle() {
+                self.step();
+            }
+            self.publish_load();
+        }
+    }
+
+    fn target(f: &Flight) -> Target {
+        Target {
+            node: f.decode.clone(),
+            incarnation: f.start.notice.incarnation,
+            endpoint: f.start.notice.endpoint.clone(),
+            backend: f.start.backend,
+            room: f.start.notice.room,
+            attempt: f.start.notice.attempt,
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Start(start) => {
+                let start = *start;
+                self.next_seq += 1;
+                let seq = self.next_seq;
+                let decode = start.request.decode.clone();
+                let room = start.notice.room;
+                let ps = self.runner.engine.options().page_size;
+                let fail = |me: &Self, error: String| {
+                    me.outbox.send(
+                        &decode,
+                        WORKER_SERVICE,
+                        kinds::FAILED,
+                        &TransferFailed {
+                            room,
+                            attempt: Some(start.notice.attempt),
+                            error,
+                        },
+                    );
+                };
+                let n = start.request.prompt.len();
+                let skip = start.notice.decode_prefix_len / ps;
+                if start.notice.decode_prefix_len % ps != 0
+                    || skip + start.notice.pages.len() != n.div_ceil(ps)
+                {
+                    let e = format!(
+                        "prefill: the notice's {} pages after a prefix of {} do not fit a prompt of {n} tokens",
+                        start.notice.pages.len(),
+                        start.notice.decode_prefix_len
+                    );
+                    return fail(self, e);
+                }
+                let alloc = &mut self.runner.engine.pool.alloc;
+                let key = match self.ledger.open(room, &decode, Vec::new(), false, alloc) {
+                    Ok(k) => k,
+                    Err(e) => return fail(self, format!("prefill: {e}")),
+                };
+                if let Err(e) = self.runner.scheduler.submit_prefill(
+                    seq,
+                    start.request.prompt.clone(),
+                    start.request.params.clone(),
+                ) {
+                    let _ = self
+                        .ledger
+                        .abort(key, AbortReason::ProducerFailure, 0, alloc);
+                    let _ = self.ledger.drained(key, alloc);
+                    return fail(self, format!("prefill admission: {e}"));
+                }
+                self.rooms.insert((decode.clone(), room), seq);
+                self.flights.insert(
+                    seq,
+                    Flight {
+                        start,
+                        decode,
+                        key,
+                        next_page: skip,
+                        skip,
+                        matched: Instant::now(),
+                        first_chunk: None,
+                        aborted: false,
+                    },
+                );
+            }
+            Cmd::Abort { decode, abort } => {
+                let Some(attempt) = abort.attempt else { return };
+                let seq = self.rooms.get(&(decode.clone(), abort.room)).copied();
+                match seq.and_then(|s| self.flights.get(&s).map(|f| (s, f))) {
+                    Some((seq, f)) if f.start.notice.attempt == attempt => {
+                        self.abort_flight(seq, AbortReason::ConsumerFailure, None);
+                    }
+                    _ => {
+                        // Finished or never started: no write of it is pending.
+                        self.outbox.send(
+                            &decode,
+                            WORKER_SERVICE,
+                            kinds::ABORT_ACK,
+                            &AbortAck {
+                                room: abort.room,
+                                attempt,
+                            },
+                        );
+                    }
+                }
+            }
+            Cmd::Sent { seq } => {
+                if let Some(f) = self.flights.remove(&seq) {
+                    self.rooms.remove(&(f.decode.clone(), f.start.notice.room));
+                    let _ = self
+                        .ledger
+                        .complete(f.key, &mut self.runner.engine.pool.alloc);
+                    self.ledger.prune();
+                    metrics::counter!(m::TRANSFERS, "side" => "prefill", "outcome" => "completed")
+                        .increment(1);
+                }
+            }
+            Cmd::Drained { seq } => {
+                if let Some(f) = self.flights.remove(&seq) {
+                    self.rooms.remove(&(f.decode.clone(), f.start.notice.room));
+                    let _ = self
+                        .ledger
+                        .drained(f.key, &mut self.runner.engine.pool.alloc);
+                    self.ledger.prune();
+                }
+            }
+            Cmd::SendFailed { seq, error } => {
+                self.abort_flight(seq, AbortReason::ConsumerFailure, Some(error));
+            }
+            Cmd::Shutdown => {}
+        }
+    }
+
+    /// Stops computing a flight and has the sender drain it (then acknowledge, or report the
+    /// failure, to decode).
+    fn abort_flight(&mut self, seq: u64, reason: AbortReason, failed: Option<String>) {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let Some(f) = self.flights.get_mut(&seq) else {
+            return;
+        };
+        if f.aborted {
+            return;
+        }
+        f.aborted = true;
+        let key = f.key;
+        let to = Self::target(f);
+        let _ = self.runner.abort(seq);
+        let _ = self
+            .ledger
+            .abort(key, reason, now, &mut self.runner.engine.pool.alloc);
+        metrics::counter!(m::TRANSFERS, "side" => "prefill", "outcome" => "aborted").increment(1);
+        let _ = self.jobs.send(Job::Drain { seq, to, failed });
+    }
+
+    fn step(&mut self) {
+        let ps = self.runner.engine.options().page_size;
+        let plan = match self
+            .runner
+            .scheduler
+            .plan(&mut self.runner.engine.pool.alloc, &mut self.runner.cache)
+        {
+            Ok(p) => p,
+            Err(e) => return self.fail_all(format!("prefill plan: {e}")),
+        };
+        if plan.items.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        for it in &plan.items {
+            if let Some(f) = self.flights.get_mut(&it.seq)
+                && f.first_chunk.is_none()
+            {
+                f.first_chunk = Some(started);
+                metrics::histogram!(m::PREFILL_QUEUE_WAIT)
+                    .record(started.duration_since(f.matched).as_secs_f64());
+            }
+        }
+        let logits = {
+            let chunks = self.runner.scheduler.chunks(&plan);
+            self.runner.engine.step(&chunks)
+        };
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => return self.fail_all(format!("prefill step: {e}")),
+        };
+        let compute_end = Instant::now();
+        metrics::counter!(m::PREFILL_CHUNKS).increment(plan.items.len() as u64);
+        // Ship the pages this step filled, before commit may end the sequence (the pins keep
+        // them from reuse until the sender has read them).
+        for it in &plan.items {
+            let Some(f) = self.flights.get_mut(&it.seq) else {
+                continue;
+            };
+            let Some(pages) = self.runner.scheduler.pages(it.seq) else {
+                continue;
+            };
+            let upto = if it.sample {
+                (it.start + it.len).div_ceil(ps)
+            } else {
+                (it.start + it.len) / ps
+            };
+            if upto <= f.next_page || f.aborted {
+                continue;
+            }
+            let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
+            let dst = &f.start.notice.pages[f.next_page - f.skip..upto - f.skip];
+            let runs = coalesce(src.iter().copied().zip(dst.iter().copied()));
+            if let Err(e) = self
+                .ledger
+                .extend(f.key, &src, &mut self.runner.engine.pool.alloc)
+            {
+                tracing::error!(error = %e, "cannot pin source pages");
+                continue;
+            }
+            f.next_page = upto;
+            let _ = self.jobs.send(Job::Write {
+                seq: it.seq,
+                to: Self::target(f),
+                runs,
+                pages_so_far: upto - f.skip,
+            });
+        }
+        let tok = &self.runner.engine.model.tokenizer;
+        let events = match self.runner.scheduler.commit(
+            &plan,
+            &logits,
+            tok,
+            &mut self.runner.engine.pool.alloc,
+            &mut self.runner.cache,
+        ) {
+            Ok(e) => e,
+            Err(e) => return self.fail_all(format!("prefill commit: {e}")),
+        };
+        for ev in events {
+            let (Some(sampler), Some(f)) = (ev.handoff, self.flights.get(&ev.seq)) else {
+                continue;
+            };
+            if let Some(first) = f.first_chunk {
+                metrics::histogram!(m::PREFILL_SECONDS)
+                    .record(compute_end.duration_since(first).as_secs_f64());
+            }
+            let done = TransferDone {
+                room: f.start.notice.room,
+                attempt: f.start.notice.attempt,
+                token: ev.token,
+                logprob: ev.logprob,
+                sampler,
+                bytes: 0,
+                prefill_cached: ev.cached_tokens,
+            };
+            let _ = self.jobs.send(Job::Finish {
+                seq: ev.seq,
+                to: Self::target(f),
+                done,
+                compute_end,
+            });
+        }
+    }
+
+    fn fail_all(&mut self, error: String) {
+        tracing::error!(%error, "prefill failed");
+        let seqs: Vec<u64> = self.flights.keys().copied().collect();
+        for seq in seqs {
+            self.abort_flight(seq, AbortReason::ProducerFailure, Some(error.clone()));
+        }
+    }
+
+    fn publish_load(&self) {
+        let runner = &self.runner;
+        let stats = runner.engine.pool.alloc.stats();
+        let (waiting, running) = runner.scheduler.queue_lengths();
+        let mut l = self.load.lock().unwrap_or_else(|p| p.into_inner());
+        l.queued_tokens = runner.scheduler.queued_tokens();
+        l.waiting = waiting;
+        l.running = running;
+        l.free_pages = stats.free;
+        l.pinned_pages = stats.pinned;
+        l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
+    }
+}
+
+/// The sending half: runs jobs in order over one transport per decode worker incarnation.
+struct KvSender {
+    memory: PoolMemory,
+    layout: duet_gpu::KvLayout,
+    outbox: Outbox,
+    done: std_mpsc::Sender<Cmd>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    links: HashMap<(String, u64, Backend), Box<dyn KvTransport>>,
+    /// Per attempt: bytes written, seconds spent writing, or the error that ended it.
+    progress: HashMap<u64, Progress>,
+}
+
+#[derive(Default)]
+struct Progress {
+    bytes: u64,
+    secs: f64,
+    error: Option<String>,
+}
+
+impl KvSender {
+    fn run(mut self, jobs: std_mpsc::Receiver<Job>) {
+        while let Ok(job) = jobs.recv() {
+            if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            match job {
+                Job::Write {
+                    seq,
+                    to,
+                    runs,
+                    pages_so_far,
+                } => {
+                    if self.progress_of(to.attempt).error.is_some() {
+                        continue;
+                    }
+                    let t = Instant::now();
+                    match self.write(&to, &runs) {
+                        Ok(n) => {
+                            let p = self.progress_of(to.attempt);
+                            p.bytes += n;
+                            p.secs += t.elapsed().as_secs_f64();
+                            let bytes = p.bytes;
+                            metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name())
+                                .increment(n);
+                            self.outbox.send(
+                                &to.node,
+                                WORKER_SERVICE,
+                                kinds::CHUNK,
+                                &ChunkWritten {
+                                    room: to.room,
+                                    attempt: to.attempt,
+                                    pages: pages_so_far,
+                                    bytes,
+                                },
+                            );
+                        }
+                        Err(error) => {
+                            self.progress_of(to.attempt).error = Some(error.clone());
+                            let _ = self.done.send(Cmd::SendFailed { seq, error });
+                        }
+                    }
+                }
+                Job::Finish {
+                    seq,
+                    to,
+                    mut done,
+                    compute_end,
+                } => {
+                    if self.progress_of(to.attempt).error.is_some() {
+                        continue; // the engine aborts it and a Drain follows
+                    }
+                    if let Err(error) = self.fence(&to) {
+                        self.progress_of(to.attempt).error = Some(error.clone());
+                        let _ = self.done.send(Cmd::SendFailed { seq, error });
+                        continue;
+                    }
+                    let exposed = compute_end.elapsed().as_secs_f64();
+                    let p = self.progress.remove(&to.attempt).unwrap_or_default();
+                    metrics::histogram!(m::TRANSFER_EXPOSED).record(exposed);
+                    if p.secs > 0.0 {
+                        metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
+                    }
+                    done.bytes = p.bytes;
+                    self.outbox
+                        .send(&to.node, WORKER_SERVICE, kinds::DONE, &done);
+                    let _ = self.done.send(Cmd::Sent { seq });
+                }
+                Job::Drain { seq, to, failed } => {
+                    let broken = self.progress_of(to.attempt).error.is_some();
+                    // A broken connection was dropped: nothing of it can land any more. Else
+                    // the fence proves every earlier write landed.
+                    let fenced = broken || self.fence(&to).is_ok();
+                    if !fenced {
+                        self.links
+                            .remove(&(to.node.clone(), to.incarnation, to.backend));
+                    }
+                    self.progress.remove(&to.attempt);
+                    match failed {
+                        Some(error) => self.outbox.send(
+                            &to.node,
+                            WORKER_SERVICE,
+                            kinds::FAILED,
+                            &TransferFailed {
+                                room: to.room,
+                                attempt: Some(to.attempt),
+                                error: format!("prefill transfer: {error}"),
+                            },
+                        ),
+                        None => self.outbox.send(
+                            &to.node,
+                            WORKER_SERVICE,
+                            kinds::ABORT_ACK,
+                            &AbortAck {
+                                room: to.room,
+                                attempt: to.attempt,
+                            },
+                        ),
+                    };
+                    let _ = self.done.send(Cmd::Drained { seq });
+                }
+            }
+        }
+    }
+
+    fn progress_of(&mut self, attempt: u64) -> &mut Progress {
+        self.progress.entry(attempt).or_default()
+    }
+
+    fn link(&mut self, to: &Target) -> Result<&mut Box<dyn KvTransport>, String> {
+        let key = (to.node.clone(), to.incarnation, to.backend);
+        if !self.links.contains_key(&key) {
+            // A decode worker that restarted has a new pool: forget links to older ones.
+            self.links.retain(|(n, _, _), _| n != &to.node);
+            let t = duet_transport::connect(&to.endpoint, to.backend)
+                .map_err(|e| format!("connecting to {} by {}: {e}", to.node, to.backend.name()))?;
+            self.links.insert(key.clone(), t);
+        }
+        self.links
+            .get_mut(&key)
+            .ok_or_else(|| "no transport".to_string())
+    }
+
+    fn write(&mut self, to: &Target, runs: &[PageRun]) -> Result<u64, String> {
+        let (memory, layout) = (self.memory.clone(), self.layout);
+        let result = self
+            .link(to)?
+            .write(to.attempt, &memory, &layout, runs)
+            .map_err(|e| e.to_string());
+        if result.is_err() {
+            self.links
+                .remove(&(to.node.clone(), to.incarnation, to.backend));
+        }
+        result
+    }
+
+    fn fence(&mut self, to: &Target) -> Result<(), String> {
+        let result = self.link(to)?.fence(to.attempt).map_err(|e| e.to_string());
+        if result.is_err() {
+            self.links
+                .remove(&(to.node.clone(), to.incarnation, to.backend));
+        }
+        result
+    }
+}

@@ -1,0 +1,338 @@
+//! Prefill and decode on separate real processes with the real model: the KV streams page by
+//! page from prefill into pages decode reserved, through each backend, and the output equals
+//! the colocated engine's token for token.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
+use serde_json::{Value, json};
+
+const PAGE: usize = 16;
+const CHUNK: usize = 32;
+
+fn real_model() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(fetch::MODEL_FILE);
+    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
+}
+
+fn serving(model: &Path, http: u16, extra: &str) -> String {
+    format!(
+        "[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{http}\"\nkv_pages = 64\npage_size = {PAGE}\n\
+         max_batch_tokens = {CHUNK}\ndisagg_threshold = 0\nkv_dtype = \"f32\"\n{extra}",
+        model.display()
+    )
+}
+
+/// Prompt token ids: the real tokenizer's ids of a long text, cut to `n`.
+fn prompt_ids(model: &Model, n: usize) -> Vec<u32> {
+    prompt_ids_from(model, 0, n)
+}
+
+/// Like [`prompt_ids`], starting `skip` tokens in (a prompt sharing no prefix with it).
+fn prompt_ids_from(model: &Model, skip: usize, n: usize) -> Vec<u32> {
+    let text = "The history of computing is a story of layers: transistors make gates, gates \
+                make adders and memories, and those make processors that run compilers, which \
+                in turn build operating systems, databases and the networks between them. ";
+    let ids = model.tokenizer.encode(&text.repeat(12));
+    ids[skip..skip + n].to_vec()
+}
+
+/// What the colocated engine says for these prompts (the reference).
+fn colocated(model_path: &Path, prompts: &[Vec<u32>], params: &SamplingParams) -> Vec<String> {
+    let model = Model::open(model_path).expect("model");
+    let engine = Engine::new(
+        model,
+        EngineOptions {
+            kv_dtype: duet_gpu::KvDtype::F32,
+            page_size: PAGE,
+            kv_pages: 64,
+            threads: 1,
+            max_context: 2048,
+        },
+    )
+    .expect("engine");
+    let mut runner = Runner::new(engine, CHUNK, 8);
+    prompts
+        .iter()
+        .map(|p| {
+            runner.submit(1, p.clone(), params.clone()).expect("submit");
+            runner
+                .run_to_completion()
+                .expect("run")
+                .into_iter()
+                .map(|e| e.text)
+                .collect()
+        })
+        .collect()
+}
+
+async fn complete(http: u16, body: Value) -> (u16, Value) {
+    let out = tokio::process::Command::new("curl")
+        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+        .output()
+        .await
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(json_text).unwrap_or(Value::Null),
+    )
+}
+
+fn text_of(v: &Value) -> String {
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+async fn ready(http: u16) {
+    poll(
+        "prefill and decode ready",
+        Duration::from_secs(120),
+        || async {
+            let out = tokio::process::Command::new("curl")
+                .args(["-s", "--max-time", "2"])
+                .arg(format!("http://127.0.0.1:{http}/ready"))
+                .output()
+                .await
+                .ok()?;
+            String::from_utf8_lossy(&out.stdout)
+                .contains("\"workers\":2")
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+/// Pools are whole when quiet: no pins, and every page free or held only by the prefix cache
+/// (which gives it up at once).
+async fn assert_pools_whole(c: &ClusterDir) {
+    let token = c.token();
+    for node in ["p0", "d0"] {
+        let addr = c.admin(node);
+        poll(
+            &format!("{node}'s pool whole"),
+            Duration::from_secs(10),
+            || async {
+                let total = metric(addr, &token, "duet_kv_pages_total", "").await;
+                let free = metric(addr, &token, "duet_kv_pages_free", "").await;
+                let cached = metric(addr, &token, "duet_kv_pages_cached", "").await;
+                let pinned = metric(addr, &token, "duet_kv_pages_pinned", "").await;
+                (total > 0.0 && pinned == 0.0 && free + cached == total).then_some(())
+            },
+        )
+        .await;
+    }
+}
+
+async fn greedy_and_seeded_equal_colocated(backend: &str) {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let lengths = [1, PAGE - 1, PAGE, PAGE + 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5];
+    let prompts: Vec<Vec<u32>> = lengths.iter().map(|&n| prompt_ids(&model, n)).collect();
+    let greedy = SamplingParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        seed: Some(11),
+        ..greedy.clone()
+    };
+    let want_greedy = colocated(&model_path, &prompts, &greedy);
+    let want_seeded = colocated(&model_path, &prompts, &seeded);
+
+    let http = free_ports(1)[0];
+    let extra = format!("kv_transport = \"{backend}\"\n");
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, &extra),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    for (i, p) in prompts.iter().enumerate() {
+        for (params, want) in [(&greedy, &want_greedy), (&seeded, &want_seeded)] {
+            let mut body = json!({
+                "prompt": p, "max_tokens": 8, "ignore_eos": true,
+                "temperature": params.temperature,
+            });
+            if let Some(seed) = params.seed {
+                body["seed"] = json!(seed);
+            }
+            let (code, v) = complete(http, body).await;
+            assert_eq!(code, 200, "{backend}, {} tokens: {v}", p.len());
+            assert_eq!(
+                text_of(&v),
+                want[i],
+                "{backend}, prompt of {} tokens, temperature {}",
+                p.len(),
+                params.temperature
+            );
+        }
+    }
+    let done = metric(
+        c.admin("d0"),
+        &token,
+        "duet_transfers_total",
+        "outcome=\"completed\"",
+    )
+    .await;
+    assert_eq!(
+        done,
+        (2 * prompts.len()) as f64,
+        "every request went through a transfer"
+    );
+    let sent = metric(
+        c.admin("p0"),
+        &token,
+        "duet_kv_bytes_sent_total",
+        &format!("backend=\"{backend}\""),
+    )
+    .await;
+    assert!(sent > 0.0, "no KV bytes over {backend}");
+    assert_pools_whole(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shm_output_equals_colocated() {
+    greedy_and_seeded_equal_colocated("shm").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tcp_output_equals_colocated() {
+    greedy_and_seeded_equal_colocated("tcp").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_prefix_cache_sends_fewer_bytes() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, ""),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    let prompt = prompt_ids(&model, 4 * PAGE + 3);
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let sent = || metric(c.admin("p0"), &token, "duet_kv_bytes_sent_total", "");
+    let (code, first) = complete(http, body.clone()).await;
+    assert_eq!(code, 200, "{first}");
+    let cold = sent().await;
+    let (code, second) = complete(http, body).await;
+    assert_eq!(code, 200, "{second}");
+    let warm = sent().await - cold;
+    assert_eq!(text_of(&first), text_of(&second));
+    assert!(
+        cold > 0.0 && warm < cold,
+        "warm transfer {warm} bytes, cold {cold}"
+    );
+    assert!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(64));
+    assert_pools_whole(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_decode_pool_holds_prefill_back_until_pages_free() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, "[serving.node.d0]\nkv_pages = 16\n"),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    // A occupies 8 of the 16 pages and grows to 16 while it decodes; B (sharing no prefix
+    // with A) needs 9.
+    let a = json!({"prompt": prompt_ids(&model, 8 * PAGE), "max_tokens": 120, "temperature": 0, "ignore_eos": true});
+    let b = json!({"prompt": prompt_ids_from(&model, 190, 9 * PAGE - 2), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let first = tokio::spawn(complete(http, a));
+    poll("A decoding on d0", Duration::from_secs(60), || async {
+        (metric(c.admin("d0"), &token, "duet_sequences_running", "").await >= 1.0).then_some(())
+    })
+    .await;
+    let chunks_for_a = metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await;
+    let second = tokio::spawn(complete(http, b));
+    poll(
+        "B waiting in p0's bootstrap queue",
+        Duration::from_secs(30),
+        || async {
+            (metric(c.admin("p0"), &token, "duet_bootstrap_queue", "").await >= 1.0).then_some(())
+        },
+    )
+    .await;
+    // While B waits, prefill computed nothing for it.
+    assert_eq!(
+        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
+        chunks_for_a,
+        "prefill ran without pages to land in"
+    );
+    let (code_a, va) = first.await.expect("A");
+    let (code_b, vb) = second.await.expect("B");
+    assert_eq!((code_a, code_b), (200, 200), "{va} {vb}");
+    assert!(metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await > chunks_for_a);
+    assert_pools_whole(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn different_page_sizes_are_never_paired() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, "[serving.node.p0]\npage_size = 32\n"),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    let prompt = prompt_ids(&model, 40);
+    let (code, v) = complete(
+        http,
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(code, 200, "served by decode alone: {v}");
+    let unpaired = metric(
+        c.admin("router"),
+        &token,
+        "duet_router_routes_total",
+        "reason=\"no_compatible_prefill\"",
+    )
+    .await;
+    assert!(unpaired >= 1.0);
+    // Forcing the pair fails with an error that names both values.
+    let (code, v) = complete(
+        http,
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "duet_pair": "p0,d0"}),
+    )
+    .await;
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(code >= 400, "{v}");
+    assert!(
+        message.contains("page_size is 32 on p0 but 16 on d0"),
+        "{message}"
+    );
+    assert_eq!(
+        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
+        0.0
+    );
+    assert_pools_whole(&c).await;
+}
