@@ -24,7 +24,8 @@ fn real_model() -> PathBuf {
 fn serving(model: &Path, http: u16, extra: &str) -> String {
     format!(
         "[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{http}\"\nkv_pages = 64\npage_size = {PAGE}\n\
-         max_batch_tokens = {CHUNK}\ndisagg_threshold = 0\nkv_dtype = \"f32\"\n{extra}",
+         max_batch_tokens = {CHUNK}\ndisagg_threshold = 0\nkv_dtype = \"f32\"\n\
+         request_timeout_secs = 40\nbootstrap_timeout_secs = 20\n{extra}",
         model.display()
     )
 }

@@ -139,7 +139,7 @@ impl BootstrapState {
                     return;
                 }
                 match self.notices.remove(&room) {
-                    Some((notice, _, _)) => self.start(request, notice, Duration::ZERO),
+                    Some((notice, _, _)) => self.start(request, notice, Duration::ZERO).await,
                     None => {
                         self.requests.insert(room, (request, Instant::now()));
                     }
@@ -166,7 +166,7 @@ impl BootstrapState {
                     return;
                 }
                 match self.requests.remove(&room) {
-                    Some((request, since)) => self.start(request, notice, since.elapsed()),
+                    Some((request, since)) => self.start(request, notice, since.elapsed()).await,
                     None => {
                         self.notices.insert(room, (notice, from, Instant::now()));
                     }
@@ -223,7 +223,7 @@ impl BootstrapState {
         }
     }
 
-    fn start(&self, request: PrefillRequest, notice: PreallocNotice, waited: Duration) {
+    async fn start(&self, request: PrefillRequest, notice: PreallocNotice, waited: Duration) {
         metrics::histogram!(m::BOOTSTRAP_WAIT).record(waited.as_secs_f64());
         let backend = self
             .settings
@@ -245,8 +245,16 @@ impl BootstrapState {
             envelope,
             reply: None,
         }) {
-            // No prefill worker (restarting): decode's deadline fails the request.
+            // No prefill worker (restarting): nothing was written, so decode frees the pages
+            // and the router may retry.
             tracing::warn!(error = %e, room = start.notice.room, "cannot start a prefill");
+            let failed = TransferFailed {
+                room: start.notice.room,
+                attempt: Some(start.notice.attempt),
+                error: format!("prefill bootstrap: {e}"),
+            };
+            self.send(&start.request.decode, kinds::FAILED, &failed)
+                .await;
         }
     }
 
