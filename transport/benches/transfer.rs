@@ -2,14 +2,20 @@
 //! `cargo bench -p duet-transport --bench transfer`.
 //!
 //! The payload is 256 pages of SmolLM2-135M's f16 layout (368,640 bytes each: 30 layers, K and
-//! V, 3 KV heads of 64, 16 tokens), written as runs of 8 consecutive pages.
+//! V, 3 KV heads of 64, 16 tokens), written as runs of 8 consecutive pages, pool to pool
+//! through each backend's `KvTransport` (a fence ends each round).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
+use std::sync::Arc;
+
+use duet_gpu::{KvDtype, KvLayout, KvPool};
 use duet_transport::shm::ShmRegion;
-use duet_transport::tcp::{TcpSender, receive};
+use duet_transport::{
+    Backend, Endpoint, Grants, KvTransport, LocalRegistration, TcpReceiver, coalesce, connect,
+};
 
 const PAGE: usize = 30 * 2 * 16 * 3 * 64 * 2;
 const PAGES: usize = 256;
@@ -37,21 +43,6 @@ fn main() {
     let memcpy = gbps(total, best);
     assert_eq!(dst, src);
 
-    // shm: the destination is a shared-memory region.
-    let name = format!("bench-{}", std::process::id());
-    let mut region = ShmRegion::create(&name, total).expect("shm");
-    let mut best = f64::MAX;
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        for (i, run) in src.chunks(PAGE * RUN).enumerate() {
-            region.write(i * PAGE * RUN, run).expect("write");
-        }
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    let shm = gbps(total, best);
-    assert_eq!(region.bytes(), &src[..]);
-    drop(region);
-
     // Raw TCP: the same bytes through one loopback stream into a buffer.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -78,37 +69,96 @@ fn main() {
     let raw_tcp = gbps(total, best);
     reader.join().expect("reader");
 
-    // The tcp backend: framed runs landing in place, a fence per round.
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let receiver = std::thread::spawn(move || {
-        let (stream, _) = listener.accept().expect("accept");
-        let mut dest = vec![0u8; total];
-        let got = receive(stream, 1, &mut dest.as_mut_slice()).expect("receive");
-        (dest, got)
-    });
-    let mut sender = TcpSender::connect(addr, 1).expect("connect");
-    let mut best = f64::MAX;
-    for round in 0..ROUNDS {
-        let t = Instant::now();
-        for (i, run) in src.chunks(PAGE * RUN).enumerate() {
-            sender
-                .write(round as u64, (i * PAGE * RUN) as u64, run)
-                .expect("write");
-        }
-        sender.fence(round as u64).expect("fence");
-        best = best.min(t.elapsed().as_secs_f64());
+    // The backends themselves, through the KvTransport trait: pool to pool, runs of RUN pages.
+    let layout = KvLayout {
+        n_layers: 30,
+        n_kv_heads: 3,
+        head_dim: 64,
+        page_size: 16,
+        dtype: KvDtype::F16,
+    };
+    assert_eq!(layout.page_bytes(), PAGE);
+    let mut source = KvPool::new(layout, PAGES).expect("pool");
+    for p in 0..PAGES as u32 {
+        source.write_token(p, 0, 0, &[p as f32; 192], &[1.0; 192]);
     }
-    sender.close().expect("close");
-    let (dest, _) = receiver.join().expect("receiver");
-    assert_eq!(dest, src);
-    let tcp = gbps(total, best);
+    let runs = coalesce((0..PAGES as u32).map(|p| (p, (p + 7) % PAGES as u32)));
+    let runs: Vec<_> = runs
+        .iter()
+        .flat_map(|r| {
+            (0..r.n).step_by(RUN).map(move |i| duet_transport::PageRun {
+                src: r.src + i,
+                dst: r.dst + i,
+                n: (r.n - i).min(RUN as u32),
+            })
+        })
+        .collect();
+    let measure = |t: &mut Box<dyn KvTransport>| {
+        let mut best = f64::MAX;
+        for round in 0..ROUNDS as u64 {
+            let s = Instant::now();
+            t.write(round, &source.memory(), &layout, &runs)
+                .expect("write");
+            t.fence(round).expect("fence");
+            best = best.min(s.elapsed().as_secs_f64());
+        }
+        gbps(total, best)
+    };
+    let check = |dst: &KvPool| {
+        for p in [0u32, 100, 255] {
+            let to = (p + 7) % PAGES as u32;
+            assert_eq!(
+                dst.copy_bytes(layout.run_bytes(to, 1)).expect("bytes"),
+                source.copy_bytes(layout.run_bytes(p, 1)).expect("bytes")
+            );
+        }
+    };
+
+    let dst = KvPool::new(layout, PAGES).expect("pool");
+    let reg = LocalRegistration::new(dst.memory());
+    let mut endpoint = Endpoint {
+        host: duet_transport::host_id(),
+        local: Some(reg.key()),
+        shm: None,
+        tcp: None,
+    };
+    let local = measure(&mut connect(&endpoint, Backend::Local).expect("local"));
+    check(&dst);
+
+    let name = format!("bench-{}", std::process::id());
+    let region = ShmRegion::create(&name, total).expect("shm");
+    let dst = KvPool::with_memory(layout, PAGES, Arc::new(region)).expect("pool");
+    endpoint.shm = Some(name);
+    let shm = measure(&mut connect(&endpoint, Backend::Shm).expect("shm"));
+    check(&dst);
+    drop(dst);
+
+    let dst = KvPool::new(layout, PAGES).expect("pool");
+    let grants = Grants::default();
+    let all: Vec<u32> = (0..PAGES as u32).collect();
+    for round in 0..ROUNDS as u64 {
+        grants.grant(round, &layout, &all);
+    }
+    let rx = TcpReceiver::start(
+        "127.0.0.1:0".parse().expect("addr"),
+        dst.memory(),
+        grants,
+        Arc::new(|_| {}),
+    )
+    .expect("receiver");
+    endpoint.tcp = Some(rx.endpoint());
+    let tcp = measure(&mut connect(&endpoint, Backend::Tcp).expect("tcp"));
+    check(&dst);
 
     println!(
         "KV transfer, {PAGES} pages of {PAGE} bytes ({:.0} MB) in runs of {RUN} pages, best of {ROUNDS}:",
         total as f64 / 1e6
     );
     println!("  memcpy                {memcpy:>6.2} GB/s");
+    println!(
+        "  local backend         {local:>6.2} GB/s   {:.2}x memcpy",
+        local / memcpy
+    );
     println!(
         "  shm backend           {shm:>6.2} GB/s   {:.2}x memcpy (target >= 0.8)",
         shm / memcpy
