@@ -12,7 +12,7 @@ use duet_transport::{Backend, Endpoint, LocalRegistration, coalesce, connect};
 const PAGE: usize = 16;
 const CHUNK: usize = 32;
 
-fn runner(model: &PathBuf) -> Runner {
+fn runner(model: &std::path::Path) -> Runner {
     let engine = Engine::new(
         Model::open(model).expect("model"),
         EngineOptions {
