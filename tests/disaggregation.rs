@@ -337,3 +337,80 @@ async fn different_page_sizes_are_never_paired() {
     );
     assert_pools_whole(&c).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_gone_mid_transfer_drains_before_pages_free() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, ""),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    // A long prompt (many chunks): the client leaves while prefill streams it.
+    let body = json!({"prompt": prompt_ids(&model, 420), "max_tokens": 4, "stream": true});
+    let curl = tokio::process::Command::new("curl")
+        .args(["-s", "-N", "--max-time", "600", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("curl");
+    poll(
+        "prefill streaming pages",
+        Duration::from_secs(60),
+        || async {
+            (metric(c.admin("p0"), &token, "duet_kv_bytes_sent_total", "").await > 0.0)
+                .then_some(())
+        },
+    )
+    .await;
+    let mut curl = curl;
+    curl.kill().await.expect("kill curl");
+    poll(
+        "the transfer aborted on both sides",
+        Duration::from_secs(30),
+        || async {
+            let d = metric(
+                c.admin("d0"),
+                &token,
+                "duet_transfers_total",
+                "outcome=\"aborted\"",
+            )
+            .await;
+            let p = metric(
+                c.admin("p0"),
+                &token,
+                "duet_transfers_total",
+                "outcome=\"aborted\"",
+            )
+            .await;
+            (d >= 1.0 && p >= 1.0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        metric(
+            c.admin("d0"),
+            &token,
+            "duet_transfers_total",
+            "outcome=\"completed\""
+        )
+        .await,
+        0.0,
+        "an aborted transfer was published"
+    );
+    assert_pools_whole(&c).await;
+    // The pair still serves.
+    let (code, v) = complete(
+        http,
+        json!({"prompt": prompt_ids(&model, 40), "max_tokens": 4, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+}

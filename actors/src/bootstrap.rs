@@ -172,6 +172,7 @@ impl BootstrapState {
                     }
                 }
             }
+            kinds::DRAIN_FENCE => self.forward(kinds::STOP, inbound),
             kinds::ABORT => {
                 let Ok(abort) = wire::decode_body::<Abort>(&inbound.envelope.body) else {
                     return;

@@ -225,6 +225,7 @@ impl Actor for DecodeWorker {
                 draining: HashMap::new(),
                 ready: HashSet::new(),
                 epoch: Instant::now(),
+                last_fence_ms: 0,
             };
             std::thread::Builder::new()
                 .name(format!("duet-decode-{node}"))
@@ -493,7 +494,11 @@ struct DecodeCore {
     /// Prefill nodes whose hello succeeded.
     ready: HashSet<String>,
     epoch: Instant,
+    last_fence_ms: u64,
 }
+
+/// How long an abort may go unacknowledged before decode asks again with a drain fence.
+const DRAIN_BACKSTOP: Duration = Duration::from_secs(2);
 
 impl DecodeCore {
     fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
@@ -978,8 +983,28 @@ impl DecodeCore {
         }
     }
 
-    /// Transfers past their deadline fail (and drain).
+    /// Transfers past their deadline fail (and drain); drains whose acknowledgement is overdue
+    /// get a drain fence (again each backstop period) until P answers or is proven gone.
     fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        let now = self.now_ms();
+        let backstop = DRAIN_BACKSTOP.as_millis() as u64;
+        if now.saturating_sub(self.last_fence_ms) >= backstop {
+            self.last_fence_ms = now;
+            for (attempt, _) in self.ledger.overdue(now, backstop) {
+                if let Some((node, room)) = self.draining.get(&attempt) {
+                    tracing::warn!(%node, room, attempt, "abort unacknowledged: drain fence");
+                    self.outbox.send(
+                        node,
+                        BOOTSTRAP_SERVICE,
+                        kinds::DRAIN_FENCE,
+                        &Abort {
+                            room: *room,
+                            attempt: Some(attempt),
+                        },
+                    );
+                }
+            }
+        }
         let late: Vec<(String, u64)> = self
             .transfers
             .iter()

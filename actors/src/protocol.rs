@@ -22,6 +22,8 @@
 //!   abort (client gone, deadline, failure), from D:
 //!     D: ledger abort (pins kept) ── bootstrap.abort ──► P: drop, or stop writing + fence
 //!     D: ledger drained (pins drop) ◄── decode.abort_ack ── P
+//!   no AbortAck within the drain backstop: D ── bootstrap.drain_fence ──► P (again, until
+//!   acknowledged or the prefill worker is proven gone)
 //!   P fails a request it cannot prefill: ── decode.failed ──► D (after its writes drained)
 //!   P ── decode.heartbeat {incarnation} ──► D, every load interval: a new incarnation proves
 //!   the old one's writers are gone (their threads were joined), so D's pins on it drop.
@@ -65,6 +67,9 @@ pub mod kinds {
     pub const PREALLOC: &str = "bootstrap.prealloc";
     /// D → P's bootstrap one-way: [`super::Abort`].
     pub const ABORT: &str = "bootstrap.abort";
+    /// D → P's bootstrap one-way, for an abort whose acknowledgement is overdue: prove that
+    /// every write of the attempt drained ([`super::Abort`] body; answered by `AbortAck`).
+    pub const DRAIN_FENCE: &str = "bootstrap.drain_fence";
     /// Bootstrap → the prefill worker (same node): [`super::PrefillStart`].
     pub const START: &str = "prefill.start";
     /// Bootstrap → the prefill worker (same node): [`super::Abort`].
