@@ -693,14 +693,17 @@ impl KvSender {
                     if self.progress_of(to.attempt).error.is_some() {
                         continue; // the engine aborts it and a Drain follows
                     }
+                    let fence_start = Instant::now();
                     if let Err(error) = self.fence(&to) {
                         self.progress_of(to.attempt).error = Some(error.clone());
                         let _ = self.done.send(Cmd::SendFailed { seq, error });
                         continue;
                     }
                     let exposed = compute_end.elapsed().as_secs_f64();
-                    let p = self.progress.remove(&to.attempt).unwrap_or_default();
+                    let mut p = self.progress.remove(&to.attempt).unwrap_or_default();
+                    p.secs += fence_start.elapsed().as_secs_f64();
                     metrics::histogram!(m::TRANSFER_EXPOSED).record(exposed);
+                    metrics::histogram!(m::TRANSFER_WRITE).record(p.secs);
                     if p.secs > 0.0 {
                         metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
                     }

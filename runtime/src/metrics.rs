@@ -65,6 +65,8 @@ pub const TRANSFER_LATENCY: &str = "duet_transfer_latency_seconds";
 pub const TRANSFER_GBPS: &str = "duet_transfer_gbps";
 /// Seconds from the end of the last chunk's compute to decode holding the complete KV.
 pub const TRANSFER_EXPOSED: &str = "duet_transfer_exposed_seconds";
+/// Seconds prefill spent writing one request's KV (all its writes and the final fence).
+pub const TRANSFER_WRITE: &str = "duet_transfer_write_seconds";
 /// KV bytes written by prefill, by `backend`.
 pub const KV_BYTES_SENT: &str = "duet_kv_bytes_sent_total";
 /// KV bytes received by decode over TCP.
@@ -106,6 +108,7 @@ pub const ALL: &[&str] = &[
     TRANSFER_LATENCY,
     TRANSFER_GBPS,
     TRANSFER_EXPOSED,
+    TRANSFER_WRITE,
     KV_BYTES_SENT,
     KV_BYTES_RECEIVED,
     TRANSFERS,
