@@ -59,7 +59,13 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
     for p in prompts {
         let body = json!({"prompt": p, "max_tokens": 1, "temperature": 0});
         let out = tokio::process::Command::new("curl")
-            .args(["-s", "--max-time", "600", "-H", "content-type: application/json"])
+            .args([
+                "-s",
+                "--max-time",
+                "600",
+                "-H",
+                "content-type: application/json",
+            ])
             .arg("-d")
             .arg(body.to_string())
             .arg(format!("http://127.0.0.1:{http}/v1/completions"))

@@ -72,11 +72,20 @@ duet_runtime::inbound_message!(enum DecodeMsg::Inbound);
 
 /// What the engine thread is told.
 enum Cmd {
-    Submit { router: String, generate: Generate },
-    Cancel { router: String, request: u64 },
+    Submit {
+        router: String,
+        generate: Generate,
+    },
+    Cancel {
+        router: String,
+        request: u64,
+    },
     PeerReady(String),
     PeerRefused(String, String),
+    /// The prefill worker's writers are proven gone (a new incarnation).
     PeerGone(String, String),
+    /// The prefill node is unreachable (membership): abort and drain, pins kept.
+    PeerDown(String, String),
     Chunk(String, ChunkWritten),
     Done(String, TransferDone),
     Failed(String, TransferFailed),
@@ -287,7 +296,7 @@ impl Actor for DecodeWorker {
             }
             DecodeMsg::Membership(MembershipEvent::Down { peer }) => {
                 state.hellos.remove(&peer);
-                let _ = state.cmds.send(Cmd::PeerGone(
+                let _ = state.cmds.send(Cmd::PeerDown(
                     peer,
                     "membership marked the prefill node down".into(),
                 ));
@@ -500,6 +509,9 @@ struct DecodeCore {
 /// How long an abort may go unacknowledged before decode asks again with a drain fence.
 const DRAIN_BACKSTOP: Duration = Duration::from_secs(2);
 
+/// How long an abort may go unacknowledged before the prefill side is treated as gone.
+const FORCED_DRAIN: Duration = Duration::from_secs(60);
+
 impl DecodeCore {
     fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
         loop {
@@ -587,6 +599,7 @@ impl DecodeCore {
                 }
             }
             Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
+            Cmd::PeerDown(node, why) => self.peer_down(&node, &why, items),
             Cmd::Chunk(node, c) => {
                 if let Some(t) = self.transfers.get_mut(&(node, c.room))
                     && t.attempt == c.attempt
@@ -941,6 +954,36 @@ impl DecodeCore {
         }
     }
 
+    /// A prefill node is unreachable: its transfers fail (the router may retry), but a write
+    /// of it may still land, so their pages stay pinned until it acknowledges the abort, its
+    /// restart is seen, or the forced backstop passes.
+    fn peer_down(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
+        self.ready.remove(node);
+        let lost: Vec<(String, u64)> = self
+            .transfers
+            .keys()
+            .filter(|(n, _)| n == node)
+            .cloned()
+            .collect();
+        for k in lost {
+            if let Some(t) = self.transfers.remove(&k) {
+                self.end_transfer(&t, AbortReason::ProducerFailure, false);
+                self.fail(
+                    t.seq,
+                    format!("decode transfer: prefill {node} unreachable: {why}"),
+                    items,
+                );
+            }
+        }
+        for p in self.take_prealloc(|p| p.peer.node == node) {
+            self.fail(
+                p.seq,
+                format!("decode prealloc: prefill {node} unreachable: {why}"),
+                items,
+            );
+        }
+    }
+
     /// A prefill worker is gone: nothing of it can write any more.
     fn peer_gone(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
         self.ready.remove(node);
@@ -987,6 +1030,14 @@ impl DecodeCore {
     /// get a drain fence (again each backstop period) until P answers or is proven gone.
     fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
         let now = self.now_ms();
+        // A drain nobody acknowledged for this long: the peer is treated as gone (logged and
+        // counted; issue-level faults tests hold this path).
+        for (attempt, node) in self.ledger.overdue(now, FORCED_DRAIN.as_millis() as u64) {
+            tracing::error!(%node, attempt, "abort unacknowledged past the forced backstop: endpoint destroyed");
+            metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "forced_drain")
+                .increment(1);
+            self.peer_gone(&node, "abort never acknowledged", items);
+        }
         let backstop = DRAIN_BACKSTOP.as_millis() as u64;
         if now.saturating_sub(self.last_fence_ms) >= backstop {
             self.last_fence_ms = now;
@@ -1128,18 +1179,15 @@ pub(crate) async fn forward_tokens(
                 incarnation,
                 items,
             };
-            let sent = match ctx.links.get(&router) {
-                Ok(link) => {
-                    link.send(
-                        kinds::EVENTS,
-                        WORKER_SERVICE,
-                        ROUTER_SERVICE,
-                        wire::encode_body(&batch),
-                    )
-                    .await
-                }
-                Err(e) => Err(e),
-            };
+            let sent = outbox::send_reliably(
+                &ctx,
+                WORKER_SERVICE,
+                &router,
+                ROUTER_SERVICE,
+                kinds::EVENTS,
+                wire::encode_body(&batch),
+            )
+            .await;
             if let Err(e) = sent {
                 // The router is gone; its requests fail there on its own deadline.
                 tracing::warn!(%router, error = %e, "cannot deliver tokens");

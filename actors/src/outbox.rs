@@ -3,11 +3,17 @@
 //! Engine threads never touch the async runtime: they push [`Outgoing`] messages into an
 //! unbounded channel, and one task per worker sends them over the links in order. Order per
 //! peer is what the protocol relies on (a chunk notice before the done that follows it).
+//!
+//! A link that is (re)connecting refuses a send; a lost `TransferDone` would strand a request
+//! until its deadline, so a refused send is retried for [`RETRY_FOR`] before it is given up
+//! (and the peer's deadlines take over).
 
 use std::sync::Arc;
 
 use duet_runtime::context::NodeContext;
 use duet_runtime::wire;
+use std::time::Duration;
+
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -52,29 +58,57 @@ impl Outbox {
     }
 }
 
+/// How long a message to a peer whose link is not up is retried.
+pub const RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// Sends one message to `service` on `node`, retrying while the link is not up (for at most
+/// [`RETRY_FOR`]). A message to this node itself is dispatched locally.
+pub async fn send_reliably(
+    ctx: &NodeContext,
+    from: &str,
+    node: &str,
+    service: &str,
+    kind: &str,
+    body: Vec<u8>,
+) -> Result<(), String> {
+    let start = tokio::time::Instant::now();
+    let mut wait = Duration::from_millis(10);
+    loop {
+        let sent = if node == ctx.me.name {
+            let sender = format!("{}/{from}", ctx.me.name);
+            let envelope = wire::Envelope::one_way(kind, &sender, service, body.clone());
+            ctx.services
+                .dispatch(duet_runtime::services::Inbound {
+                    envelope,
+                    reply: None,
+                })
+                .map_err(|e| e.to_string())
+        } else {
+            match ctx.links.get(node) {
+                Ok(link) => link
+                    .send(kind, from, service, body.clone())
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        match sent {
+            Ok(()) => return Ok(()),
+            Err(e) if start.elapsed() >= RETRY_FOR => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
 /// Starts the task that delivers an outbox's messages, sent as `from` service.
 pub fn start(ctx: Arc<NodeContext>, from: &'static str) -> (Outbox, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Outgoing>();
     let task = tokio::spawn(async move {
         while let Some(m) = rx.recv().await {
-            let sent = if m.node == ctx.me.name {
-                let sender = format!("{}/{from}", ctx.me.name);
-                let envelope = wire::Envelope::one_way(m.kind, &sender, m.service, m.body);
-                ctx.services
-                    .dispatch(duet_runtime::services::Inbound {
-                        envelope,
-                        reply: None,
-                    })
-                    .map_err(|e| e.to_string())
-            } else {
-                match ctx.links.get(&m.node) {
-                    Ok(link) => link
-                        .send(m.kind, from, m.service, m.body)
-                        .await
-                        .map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                }
-            };
+            let sent = send_reliably(&ctx, from, &m.node, m.service, m.kind, m.body).await;
             if let Err(error) = sent {
                 // The peer's own deadlines fail what this message was about.
                 tracing::warn!(node = %m.node, kind = m.kind, %error, "cannot deliver");

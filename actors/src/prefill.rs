@@ -284,6 +284,14 @@ enum Job {
         runs: Vec<PageRun>,
         pages_so_far: usize,
     },
+    /// One layer of the last chunk's pages, sent while the later layers compute.
+    Layer {
+        seq: u64,
+        to: Target,
+        runs: Arc<Vec<PageRun>>,
+        layer: usize,
+        pages_so_far: usize,
+    },
     Finish {
         seq: u64,
         to: Target,
@@ -518,9 +526,48 @@ impl PrefillCore {
                     .record(started.duration_since(f.matched).as_secs_f64());
             }
         }
+        // The last chunk of a prompt streams layer by layer during its own compute, so what is
+        // left once it ends is one layer's copy and the fence. Its pages are pinned first.
+        let mut finals: Vec<(u64, Target, Arc<Vec<PageRun>>, usize)> = Vec::new();
+        for it in plan.items.iter().filter(|it| it.sample) {
+            let Some(f) = self.flights.get_mut(&it.seq) else {
+                continue;
+            };
+            let Some(pages) = self.runner.scheduler.pages(it.seq) else {
+                continue;
+            };
+            let upto = (it.start + it.len).div_ceil(ps);
+            if f.aborted || upto <= f.next_page || pages.len() < upto {
+                continue;
+            }
+            let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
+            let dst = &f.start.notice.pages[f.next_page - f.skip..upto - f.skip];
+            let runs = coalesce(src.iter().copied().zip(dst.iter().copied()));
+            if let Err(e) = self
+                .ledger
+                .extend(f.key, &src, &mut self.runner.engine.pool.alloc)
+            {
+                tracing::error!(error = %e, "cannot pin source pages");
+                continue;
+            }
+            f.next_page = upto;
+            finals.push((it.seq, Self::target(f), Arc::new(runs), upto - f.skip));
+        }
         let logits = {
             let chunks = self.runner.scheduler.chunks(&plan);
-            self.runner.engine.step(&chunks)
+            let jobs = self.jobs.clone();
+            let mut kv_done = |layer: usize| {
+                for (seq, to, runs, pages_so_far) in &finals {
+                    let _ = jobs.send(Job::Layer {
+                        seq: *seq,
+                        to: to.clone(),
+                        runs: runs.clone(),
+                        layer,
+                        pages_so_far: *pages_so_far,
+                    });
+                }
+            };
+            self.runner.engine.step_observed(&chunks, &mut kv_done)
         };
         let logits = match logits {
             Ok(l) => l,
@@ -679,6 +726,52 @@ impl KvSender {
                             );
                         }
                         Err(error) => {
+                            self.progress_of(to.attempt).error = Some(error.clone());
+                            let _ = self.done.send(Cmd::SendFailed { seq, error });
+                        }
+                    }
+                }
+                Job::Layer {
+                    seq,
+                    to,
+                    runs,
+                    layer,
+                    pages_so_far,
+                } => {
+                    if self.progress_of(to.attempt).error.is_some() {
+                        continue;
+                    }
+                    let t = Instant::now();
+                    let (memory, layout) = (self.memory.clone(), self.layout);
+                    let written = self.link(&to).and_then(|l| {
+                        l.write_layer(to.attempt, &memory, &layout, &runs, layer)
+                            .map_err(|e| e.to_string())
+                    });
+                    match written {
+                        Ok(n) => {
+                            let p = self.progress_of(to.attempt);
+                            p.bytes += n;
+                            p.secs += t.elapsed().as_secs_f64();
+                            let bytes = p.bytes;
+                            metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name())
+                                .increment(n);
+                            if layer + 1 == layout.n_layers {
+                                self.outbox.send(
+                                    &to.node,
+                                    WORKER_SERVICE,
+                                    kinds::CHUNK,
+                                    &ChunkWritten {
+                                        room: to.room,
+                                        attempt: to.attempt,
+                                        pages: pages_so_far,
+                                        bytes,
+                                    },
+                                );
+                            }
+                        }
+                        Err(error) => {
+                            self.links
+                                .remove(&(to.node.clone(), to.incarnation, to.backend));
                             self.progress_of(to.attempt).error = Some(error.clone());
                             let _ = self.done.send(Cmd::SendFailed { seq, error });
                         }

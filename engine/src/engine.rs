@@ -186,13 +186,24 @@ impl Engine {
 
     /// Runs one step; returns, per chunk, the last token's logits if asked for.
     pub fn step(&mut self, chunks: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
+        self.step_observed(chunks, &mut |_| {})
+    }
+
+    /// [`Engine::step`], calling `kv_done(layer)` as soon as every token of the step has its
+    /// K and V of `layer` in the pool (before the layer's attention runs). Prefill uses it to
+    /// start copying the last chunk's KV layer by layer while the later layers compute.
+    pub fn step_observed(
+        &mut self,
+        chunks: &[SeqChunk<'_>],
+        kv_done: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         self.validate(chunks)?;
         let threads = self.options.threads.max(1);
         let pool = &mut self.pool;
         let (model, rope) = (&self.model, &self.rope);
         let out = self
             .threads
-            .install(|| forward(model, pool, rope, chunks, threads));
+            .install(|| forward(model, pool, rope, chunks, threads, kv_done));
         self.stats.steps += 1;
         self.stats.tokens += chunks.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
         Ok(out)
@@ -244,6 +255,7 @@ fn forward(
     rope: &Rope,
     chunks: &[SeqChunk<'_>],
     threads: usize,
+    kv_done: &mut (dyn FnMut(usize) + Send),
 ) -> Vec<Option<Vec<f32>>> {
     let c = model.config;
     let kv_dim = c.n_kv_heads * c.head_dim;
@@ -309,6 +321,7 @@ fn forward(
                 &v[i * kv_dim..(i + 1) * kv_dim],
             );
         }
+        kv_done(li);
         // One work item per (token, KV head): a single decode token still spreads its heads
         // over the threads; the bits do not depend on the split.
         let pool_ref: &KvPool = pool;

@@ -92,6 +92,46 @@ pub struct PageRun {
     pub n: u32,
 }
 
+/// One contiguous copy: `len` bytes at `src` in the sending pool to `dst` in the receiving one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteCopy {
+    /// Source offset.
+    pub src: usize,
+    /// Destination offset.
+    pub dst: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// The copies that move whole runs of pages.
+pub fn run_copies(layout: &KvLayout, runs: &[PageRun]) -> Vec<ByteCopy> {
+    runs.iter()
+        .map(|r| {
+            let from = layout.run_bytes(r.src, r.n as usize);
+            ByteCopy {
+                src: from.start,
+                dst: layout.run_bytes(r.dst, r.n as usize).start,
+                len: from.len(),
+            }
+        })
+        .collect()
+}
+
+/// The copies that move one layer of every page of `runs`.
+pub fn layer_copies(layout: &KvLayout, runs: &[PageRun], layer: usize) -> Vec<ByteCopy> {
+    runs.iter()
+        .flat_map(|r| (0..r.n).map(move |i| (r.src + i, r.dst + i)))
+        .map(|(s, d)| {
+            let from = layout.layer_bytes(s, layer);
+            ByteCopy {
+                src: from.start,
+                dst: layout.layer_bytes(d, layer).start,
+                len: from.len(),
+            }
+        })
+        .collect()
+}
+
 /// Groups `(src, dst)` page pairs into runs consecutive on both sides (one copy or frame each).
 pub fn coalesce(pairs: impl IntoIterator<Item = (PageId, PageId)>) -> Vec<PageRun> {
     let mut runs: Vec<PageRun> = Vec::new();
@@ -109,15 +149,39 @@ pub trait KvTransport: Send {
     /// The backend.
     fn backend(&self) -> Backend;
 
-    /// Writes `runs` of `attempt` from `src`; returns the bytes written. The caller holds
-    /// source pins on the pages, and the destination pages are granted to `attempt`.
+    /// Copies byte ranges of `attempt` from `src` into the destination pool; returns the bytes
+    /// written. The caller holds source pins on the pages the ranges lie in, and the
+    /// destination pages are granted to `attempt`.
+    fn write_bytes(
+        &mut self,
+        attempt: AttemptKey,
+        src: &PoolMemory,
+        copies: &[ByteCopy],
+    ) -> Result<u64, TransportError>;
+
+    /// Writes whole pages: `runs` of `attempt` from `src` (one copy per run).
     fn write(
         &mut self,
         attempt: AttemptKey,
         src: &PoolMemory,
         layout: &KvLayout,
         runs: &[PageRun],
-    ) -> Result<u64, TransportError>;
+    ) -> Result<u64, TransportError> {
+        self.write_bytes(attempt, src, &run_copies(layout, runs))
+    }
+
+    /// Writes one layer (K and V) of every page of `runs` (one copy per page): the last
+    /// chunk's KV goes layer by layer while the later layers compute.
+    fn write_layer(
+        &mut self,
+        attempt: AttemptKey,
+        src: &PoolMemory,
+        layout: &KvLayout,
+        runs: &[PageRun],
+        layer: usize,
+    ) -> Result<u64, TransportError> {
+        self.write_bytes(attempt, src, &layer_copies(layout, runs, layer))
+    }
 
     /// Returns once every earlier write has landed in the destination.
     fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError>;
@@ -155,20 +219,16 @@ pub fn connect(
     })
 }
 
-/// The source bytes of a run.
+/// The source bytes of a copy.
 ///
 /// # Safety
 ///
-/// The caller holds source pins on the run's pages (nothing writes them meanwhile).
+/// The caller holds source pins on the pages the range lies in, and the engine does not write
+/// the range meanwhile (a finished layer of a page, or a finished page).
 #[allow(unsafe_code)]
-unsafe fn source<'a>(
-    src: &'a PoolMemory,
-    layout: &KvLayout,
-    run: &PageRun,
-) -> Result<&'a [u8], TransportError> {
-    let r = layout.run_bytes(run.src, run.n as usize);
+unsafe fn source<'a>(src: &'a PoolMemory, c: &ByteCopy) -> Result<&'a [u8], TransportError> {
     // SAFETY: the caller's promise.
-    Ok(unsafe { src.slice(r.start, r.len())? })
+    Ok(unsafe { src.slice(c.src, c.len)? })
 }
 
 /// Same process: pool to pool.
@@ -182,26 +242,19 @@ impl KvTransport for LocalTransport {
     }
 
     #[allow(unsafe_code)]
-    fn write(
+    fn write_bytes(
         &mut self,
         _attempt: AttemptKey,
         src: &PoolMemory,
-        layout: &KvLayout,
-        runs: &[PageRun],
+        copies: &[ByteCopy],
     ) -> Result<u64, TransportError> {
         let mut bytes = 0;
-        for run in runs {
-            let to = layout.run_bytes(run.dst, run.n as usize);
+        for c in copies {
             // SAFETY: source pins (the trait's contract); the destination pages are granted to
             // this attempt, which decode does not read before publication.
-            let (from, to) = unsafe {
-                (
-                    source(src, layout, run)?,
-                    self.dst.slice_mut(to.start, to.len())?,
-                )
-            };
+            let (from, to) = unsafe { (source(src, c)?, self.dst.slice_mut(c.dst, c.len)?) };
             to.copy_from_slice(from);
-            bytes += from.len() as u64;
+            bytes += c.len as u64;
         }
         Ok(bytes)
     }
@@ -222,20 +275,18 @@ impl KvTransport for ShmTransport {
     }
 
     #[allow(unsafe_code)]
-    fn write(
+    fn write_bytes(
         &mut self,
         _attempt: AttemptKey,
         src: &PoolMemory,
-        layout: &KvLayout,
-        runs: &[PageRun],
+        copies: &[ByteCopy],
     ) -> Result<u64, TransportError> {
         let mut bytes = 0;
-        for run in runs {
+        for c in copies {
             // SAFETY: source pins (the trait's contract).
-            let from = unsafe { source(src, layout, run)? };
-            self.dst
-                .write(layout.run_bytes(run.dst, run.n as usize).start, from)?;
-            bytes += from.len() as u64;
+            let from = unsafe { source(src, c)? };
+            self.dst.write(c.dst, from)?;
+            bytes += c.len as u64;
         }
         Ok(bytes)
     }
@@ -259,20 +310,18 @@ impl KvTransport for TcpTransport {
     }
 
     #[allow(unsafe_code)]
-    fn write(
+    fn write_bytes(
         &mut self,
         attempt: AttemptKey,
         src: &PoolMemory,
-        layout: &KvLayout,
-        runs: &[PageRun],
+        copies: &[ByteCopy],
     ) -> Result<u64, TransportError> {
         let mut bytes = 0;
-        for run in runs {
+        for c in copies {
             // SAFETY: source pins (the trait's contract).
-            let from = unsafe { source(src, layout, run)? };
-            let at = layout.run_bytes(run.dst, run.n as usize).start as u64;
-            self.sender.write(attempt, at, from)?;
-            bytes += from.len() as u64;
+            let from = unsafe { source(src, c)? };
+            self.sender.write(attempt, c.dst as u64, from)?;
+            bytes += c.len as u64;
         }
         Ok(bytes)
     }
@@ -540,6 +589,33 @@ mod tests {
                 .iter()
                 .all(|b| *b == 0)
         );
+    }
+
+    #[test]
+    fn layer_by_layer_writes_make_whole_pages() {
+        let l = layout();
+        let src = filled(l);
+        let dst = KvPool::new(l, 8).unwrap();
+        let reg = LocalRegistration::new(dst.memory());
+        let endpoint = Endpoint {
+            host: host_id(),
+            local: Some(reg.key()),
+            shm: None,
+            tcp: None,
+        };
+        let mut t = connect(&endpoint, Backend::Local).unwrap();
+        let runs = coalesce([(2, 5), (3, 6)]);
+        let mut bytes = 0;
+        for layer in 0..l.n_layers {
+            bytes += t.write_layer(1, &src.memory(), &l, &runs, layer).unwrap();
+        }
+        assert_eq!(bytes as usize, 2 * l.page_bytes());
+        for (s, d) in [(2, 5), (3, 6)] {
+            assert_eq!(
+                dst.copy_bytes(l.run_bytes(d, 1)).unwrap(),
+                src.copy_bytes(l.run_bytes(s, 1)).unwrap()
+            );
+        }
     }
 
     #[test]

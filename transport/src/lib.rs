@@ -16,8 +16,8 @@ pub mod shm;
 pub mod tcp;
 
 pub use backend::{
-    Backend, Endpoint, Grants, KvTransport, LocalRegistration, PageRun, TcpReceiver,
-    TransportError, coalesce, connect, host_id,
+    Backend, ByteCopy, Endpoint, Grants, KvTransport, LocalRegistration, PageRun, TcpReceiver,
+    TransportError, coalesce, connect, host_id, layer_copies, run_copies,
 };
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,
