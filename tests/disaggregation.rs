@@ -414,3 +414,59 @@ async fn a_client_gone_mid_transfer_drains_before_pages_free() {
     .await;
     assert_eq!(code, 200, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn short_or_cached_prompts_are_prefilled_on_decode() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    // The default threshold (32 tokens) instead of the tests' 0.
+    let config = serving(&model_path, http, "").replace("disagg_threshold = 0\n", "");
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &config,
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    let ask =
+        |n: usize| json!({"prompt": prompt_ids(&model, n), "max_tokens": 3, "temperature": 0});
+    // Short: decode alone, decided by the router.
+    let (code, v) = complete(http, ask(10)).await;
+    assert_eq!(code, 200, "{v}");
+    let short = metric(
+        c.admin("router"),
+        &token,
+        "duet_router_routes_total",
+        "reason=\"short_prompt\"",
+    )
+    .await;
+    assert_eq!(short, 1.0);
+    assert_eq!(
+        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
+        0.0
+    );
+    // Long: paired, prefilled on p0.
+    let (code, v) = complete(http, ask(4 * PAGE + 3)).await;
+    assert_eq!(code, 200, "{v}");
+    let chunks = metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await;
+    assert!(chunks > 0.0);
+    // The same long prompt again: decode caches all but 3 tokens, so it prefills them itself.
+    let (code, again) = complete(http, ask(4 * PAGE + 3)).await;
+    assert_eq!(code, 200, "{again}");
+    assert_eq!(text_of(&again), text_of(&v));
+    let local = metric(
+        c.admin("d0"),
+        &token,
+        "duet_decode_local_prefills_total",
+        "reason=\"cached\"",
+    )
+    .await;
+    assert_eq!(local, 1.0);
+    assert_eq!(
+        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
+        chunks,
+        "prefill computed a prompt decode had cached"
+    );
+    assert_pools_whole(&c).await;
+}
