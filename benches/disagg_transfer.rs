@@ -46,14 +46,15 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
     let _up = Running::up(&c.config).await;
     let token = c.token();
     poll("workers ready", Duration::from_secs(120), || async {
-        let text = duet_runtime::admin::client::metrics_text(
-            c.admin("d0"),
-            &token,
-            Duration::from_secs(2),
-        )
-        .await
-        .ok()?;
-        text.contains("duet_kv_pages_total").then_some(())
+        let out = tokio::process::Command::new("curl")
+            .args(["-s", "--max-time", "2"])
+            .arg(format!("http://127.0.0.1:{http}/ready"))
+            .output()
+            .await
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .contains("\"workers\":2")
+            .then_some(())
     })
     .await;
     for p in prompts {
