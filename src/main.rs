@@ -142,11 +142,18 @@ const EXIT_START_FAILED: u8 = 2;
 const EXIT_ESCALATED: u8 = 3;
 
 async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
-    duet_runtime::telemetry::init_logs("info");
     let config = match ClusterConfig::load(config) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             eprintln!("error: {e}");
+            return ExitCode::from(EXIT_START_FAILED);
+        }
+    };
+    // Flushes buffered spans when the node ends.
+    let _telemetry = match duet_runtime::telemetry::init_node(&config.telemetry, name, "info") {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: node {name}: telemetry: {e}");
             return ExitCode::from(EXIT_START_FAILED);
         }
     };

@@ -28,6 +28,14 @@ use crate::settings::ServingConfig;
 /// The bootstrap actor.
 pub struct Bootstrap;
 
+/// A request waiting for its notice.
+struct Waiting {
+    request: PrefillRequest,
+    since: Instant,
+    traceparent: Option<String>,
+    span: tracing::Span,
+}
+
 /// Remote messages and the deadline tick.
 #[derive(Debug)]
 pub enum BootstrapMsg {
@@ -44,8 +52,9 @@ pub struct BootstrapState {
     ctx: Arc<NodeContext>,
     settings: ServingConfig,
     host: String,
-    /// Requests without a notice yet, by room.
-    requests: HashMap<u64, (PrefillRequest, Instant)>,
+    /// Requests without a notice yet, by room, with the router's trace context and the span
+    /// of their wait here.
+    requests: HashMap<u64, Waiting>,
     /// Notices without a request yet, by room (with the decode node).
     notices: HashMap<u64, (PreallocNotice, String, Instant)>,
     /// Rooms aborted before both halves met (the late half is dropped on arrival).
@@ -138,10 +147,23 @@ impl BootstrapState {
                 if self.dropped.remove(&room).is_some() {
                     return;
                 }
+                let span = tracing::info_span!(
+                    "bootstrap_wait",
+                    room,
+                    decode = %request.decode,
+                    attempt = tracing::field::Empty
+                );
+                duet_runtime::telemetry::follow(&span, envelope.traceparent.as_deref());
+                let waiting = Waiting {
+                    request,
+                    since: Instant::now(),
+                    traceparent: envelope.traceparent.clone(),
+                    span,
+                };
                 match self.notices.remove(&room) {
-                    Some((notice, _, _)) => self.start(request, notice, Duration::ZERO).await,
+                    Some((notice, _, _)) => self.start(waiting, notice).await,
                     None => {
-                        self.requests.insert(room, (request, Instant::now()));
+                        self.requests.insert(room, waiting);
                     }
                 }
             }
@@ -166,7 +188,7 @@ impl BootstrapState {
                     return;
                 }
                 match self.requests.remove(&room) {
-                    Some((request, since)) => self.start(request, notice, since.elapsed()).await,
+                    Some(waiting) => self.start(waiting, notice).await,
                     None => {
                         self.notices.insert(room, (notice, from, Instant::now()));
                     }
@@ -224,8 +246,16 @@ impl BootstrapState {
         }
     }
 
-    async fn start(&self, request: PrefillRequest, notice: PreallocNotice, waited: Duration) {
-        metrics::histogram!(m::BOOTSTRAP_WAIT).record(waited.as_secs_f64());
+    async fn start(&self, waiting: Waiting, notice: PreallocNotice) {
+        let Waiting {
+            request,
+            since,
+            traceparent,
+            span,
+        } = waiting;
+        metrics::histogram!(m::BOOTSTRAP_WAIT).record(since.elapsed().as_secs_f64());
+        span.record("attempt", notice.attempt);
+        drop(span);
         let backend = self
             .settings
             .kv_transport
@@ -234,6 +264,7 @@ impl BootstrapState {
             request,
             notice,
             backend,
+            traceparent,
         };
         let sender = format!("{}/{BOOTSTRAP_SERVICE}", self.ctx.me.name);
         let envelope = Envelope::one_way(
@@ -277,11 +308,15 @@ impl BootstrapState {
         let late: Vec<u64> = self
             .requests
             .iter()
-            .filter(|(_, (_, since))| since.elapsed() > limit)
+            .filter(|(_, w)| w.since.elapsed() > limit)
             .map(|(room, _)| *room)
             .collect();
         for room in late {
-            if let Some((r, _)) = self.requests.remove(&room) {
+            if let Some(Waiting {
+                request: r, span, ..
+            }) = self.requests.remove(&room)
+            {
+                tracing::warn!(parent: &span, room, "no pages from decode in time");
                 let error = format!(
                     "prefill bootstrap: no pages from decode {} within {limit:?}",
                     r.decode

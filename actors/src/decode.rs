@@ -75,6 +75,8 @@ enum Cmd {
     Submit {
         router: String,
         generate: Generate,
+        /// The router's span, for this request's spans here.
+        traceparent: Option<String>,
     },
     Cancel {
         router: String,
@@ -235,6 +237,8 @@ impl Actor for DecodeWorker {
                 ready: HashSet::new(),
                 epoch: Instant::now(),
                 last_fence_ms: 0,
+                spans: HashMap::new(),
+                first_tokens: HashSet::new(),
             };
             std::thread::Builder::new()
                 .name(format!("duet-decode-{node}"))
@@ -312,6 +316,7 @@ impl DecodeState {
         let Inbound { envelope, reply } = inbound;
         let from = envelope.sender_node().to_string();
         let body = &envelope.body;
+        let traceparent = envelope.traceparent.clone();
         let cmd = match (envelope.kind.as_str(), reply) {
             (kinds::GENERATE, Some(reply)) => match wire::decode_body::<Generate>(body) {
                 Ok(generate) => {
@@ -323,6 +328,7 @@ impl DecodeState {
                         .send(Cmd::Submit {
                             router: from,
                             generate,
+                            traceparent,
                         })
                         .is_err()
                     {
@@ -504,6 +510,10 @@ struct DecodeCore {
     ready: HashSet<String>,
     epoch: Instant,
     last_fence_ms: u64,
+    /// Per sequence: its root span and the span of the phase it is in.
+    spans: HashMap<u64, (tracing::Span, tracing::Span)>,
+    /// Sequences whose first token was already reported (as a span event).
+    first_tokens: HashSet<u64>,
 }
 
 /// How long an abort may go unacknowledged before decode asks again with a drain fence.
@@ -554,12 +564,30 @@ impl DecodeCore {
 
     fn command(&mut self, cmd: Cmd, items: &mut Vec<(String, TokenItem)>) {
         match cmd {
-            Cmd::Submit { router, generate } => {
+            Cmd::Submit {
+                router,
+                generate,
+                traceparent,
+            } => {
                 self.next_seq += 1;
                 let seq = self.next_seq;
                 if self.seqs.contains_key(&(router.clone(), generate.request)) {
                     return;
                 }
+                let root = tracing::info_span!(
+                    "decode",
+                    request = generate.request,
+                    room = generate.prefill.as_ref().map(|p| p.room),
+                    attempt = tracing::field::Empty,
+                    prompt_tokens = generate.prompt.len(),
+                );
+                duet_runtime::telemetry::follow(&root, traceparent.as_deref());
+                let phase = if generate.prefill.is_some() {
+                    tracing::info_span!(parent: &root, "prealloc")
+                } else {
+                    tracing::info_span!(parent: &root, "decoding", local_prefill = true)
+                };
+                self.spans.insert(seq, (root, phase));
                 self.owners.insert(seq, (router.clone(), generate.request));
                 self.seqs.insert((router.clone(), generate.request), seq);
                 match generate.prefill.clone() {
@@ -576,6 +604,9 @@ impl DecodeCore {
             Cmd::Cancel { router, request } => {
                 if let Some(seq) = self.seqs.remove(&(router, request)) {
                     self.owners.remove(&seq);
+                    if let Some((_, phase)) = self.spans.remove(&seq) {
+                        tracing::info!(parent: &phase, "cancelled by the client");
+                    }
                     self.abort_seq(seq, AbortReason::ClientCancel);
                 }
             }
@@ -731,6 +762,9 @@ impl DecodeCore {
             let _ = alloc.release_all(&prefix);
             abort_p(&self.outbox, &p);
             metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
+            if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
+                *phase = tracing::info_span!(parent: &*root, "decoding", local_prefill = true, cached_tokens = cached);
+            }
             let Prealloc {
                 seq,
                 router,
@@ -787,13 +821,16 @@ impl DecodeCore {
         };
         self.outbox
             .send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
-        tracing::debug!(
-            room = p.peer.room,
-            attempt,
-            pages = need,
-            cached,
-            "notice sent"
-        );
+        if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
+            root.record("attempt", attempt);
+            *phase = tracing::info_span!(
+                parent: &*root,
+                "transfer_wait",
+                pages = need,
+                decode_prefix_len = cached
+            );
+            tracing::debug!(parent: &*root, pages = need, cached, "notice sent");
+        }
         self.transfers.insert(
             (p.peer.node.clone(), p.peer.room),
             Transfer {
@@ -864,6 +901,18 @@ impl DecodeCore {
         ) {
             Ok(ev) => {
                 let finished = ev.finish.is_some();
+                if let Some((root, phase)) = self.spans.get_mut(&t.seq) {
+                    *phase = tracing::info_span!(parent: &*root, "decoding", local_prefill = false);
+                    tracing::info!(parent: &*phase, token = ev.token, kv_bytes = d.bytes, "first token");
+                    self.first_tokens.insert(t.seq);
+                    if let Some(reason) = ev.finish {
+                        tracing::info!(parent: &*phase, reason = ?reason, "finished");
+                    }
+                }
+                if finished {
+                    self.spans.remove(&t.seq);
+                    self.first_tokens.remove(&t.seq);
+                }
                 items.push((
                     t.router.clone(),
                     TokenItem {
@@ -1092,6 +1141,11 @@ impl DecodeCore {
 
     /// Fails a request to its router (if it still has one).
     fn fail(&mut self, seq: u64, error: String, items: &mut Vec<(String, TokenItem)>) {
+        if let Some((root, phase)) = self.spans.remove(&seq) {
+            tracing::warn!(parent: &phase, %error, "request failed");
+            drop(root);
+        }
+        self.first_tokens.remove(&seq);
         if let Some((router, request)) = self.owners.remove(&seq) {
             self.seqs.remove(&(router.clone(), request));
             items.push((router, TokenItem::failed(request, error)));
@@ -1105,9 +1159,19 @@ impl DecodeCore {
                     let Some((router, request)) = self.owners.get(&ev.seq).cloned() else {
                         continue;
                     };
+                    if let Some((_, phase)) = self.spans.get(&ev.seq) {
+                        if self.first_tokens.insert(ev.seq) {
+                            tracing::info!(parent: phase, token = ev.token, "first token");
+                        }
+                        if let Some(reason) = ev.finish {
+                            tracing::info!(parent: phase, reason = ?reason, "finished");
+                        }
+                    }
                     if ev.finish.is_some() {
                         self.owners.remove(&ev.seq);
                         self.seqs.remove(&(router.clone(), request));
+                        self.spans.remove(&ev.seq);
+                        self.first_tokens.remove(&ev.seq);
                     }
                     items.push((
                         router,

@@ -142,6 +142,7 @@ impl Actor for PrefillWorker {
                 stop: stop.clone(),
                 links: HashMap::new(),
                 progress: HashMap::new(),
+                layer_spans: HashMap::new(),
             };
             std::thread::Builder::new()
                 .name(format!("duet-kv-sender-{node}"))
@@ -275,6 +276,10 @@ struct Flight {
     matched: Instant,
     first_chunk: Option<Instant>,
     aborted: bool,
+    /// The request's span here (child of the router's), and its queue wait until the first
+    /// chunk computes.
+    span: tracing::Span,
+    queue_wait: Option<tracing::Span>,
 }
 
 enum Job {
@@ -307,6 +312,8 @@ enum Job {
 
 #[derive(Clone)]
 struct Target {
+    /// The request's prefill span (parent of the write spans).
+    span: tracing::Span,
     node: String,
     incarnation: u64,
     endpoint: Endpoint,
@@ -361,6 +368,7 @@ impl PrefillCore {
 
     fn target(f: &Flight) -> Target {
         Target {
+            span: f.span.clone(),
             node: f.decode.clone(),
             incarnation: f.start.notice.incarnation,
             endpoint: f.start.notice.endpoint.clone(),
@@ -420,6 +428,17 @@ impl PrefillCore {
                     return fail(self, format!("prefill admission: {e}"));
                 }
                 self.rooms.insert((decode.clone(), room), seq);
+                let span = tracing::info_span!(
+                    "prefill",
+                    room,
+                    attempt = start.notice.attempt,
+                    decode = %decode,
+                    prompt_tokens = n,
+                    decode_prefix_len = start.notice.decode_prefix_len,
+                    backend = start.backend.name(),
+                );
+                duet_runtime::telemetry::follow(&span, start.traceparent.as_deref());
+                let queue_wait = Some(tracing::info_span!(parent: &span, "queue_wait"));
                 self.flights.insert(
                     seq,
                     Flight {
@@ -431,6 +450,8 @@ impl PrefillCore {
                         matched: Instant::now(),
                         first_chunk: None,
                         aborted: false,
+                        span,
+                        queue_wait,
                     },
                 );
             }
@@ -517,13 +538,22 @@ impl PrefillCore {
             return;
         }
         let started = Instant::now();
+        let mut chunk_spans = Vec::with_capacity(plan.items.len());
         for it in &plan.items {
-            if let Some(f) = self.flights.get_mut(&it.seq)
-                && f.first_chunk.is_none()
-            {
-                f.first_chunk = Some(started);
-                metrics::histogram!(m::PREFILL_QUEUE_WAIT)
-                    .record(started.duration_since(f.matched).as_secs_f64());
+            if let Some(f) = self.flights.get_mut(&it.seq) {
+                if f.first_chunk.is_none() {
+                    f.first_chunk = Some(started);
+                    f.queue_wait = None;
+                    metrics::histogram!(m::PREFILL_QUEUE_WAIT)
+                        .record(started.duration_since(f.matched).as_secs_f64());
+                }
+                chunk_spans.push(tracing::info_span!(
+                    parent: &f.span,
+                    "chunk",
+                    tokens = it.len,
+                    start = it.start,
+                    last = it.sample,
+                ));
             }
         }
         // The last chunk of a prompt streams layer by layer during its own compute, so what is
@@ -574,6 +604,7 @@ impl PrefillCore {
             Err(e) => return self.fail_all(format!("prefill step: {e}")),
         };
         let compute_end = Instant::now();
+        drop(chunk_spans);
         metrics::counter!(m::PREFILL_CHUNKS).increment(plan.items.len() as u64);
         // Ship the pages this step filled, before commit may end the sequence (the pins keep
         // them from reuse until the sender has read them).
@@ -679,6 +710,8 @@ struct KvSender {
     links: HashMap<(String, u64, Backend), Box<dyn KvTransport>>,
     /// Per attempt: bytes written, seconds spent writing, or the error that ended it.
     progress: HashMap<u64, Progress>,
+    /// The span of a last chunk being written layer by layer, and its bytes so far.
+    layer_spans: HashMap<u64, (tracing::Span, u64)>,
 }
 
 #[derive(Default)]
@@ -704,9 +737,17 @@ impl KvSender {
                     if self.progress_of(to.attempt).error.is_some() {
                         continue;
                     }
+                    let span = tracing::info_span!(
+                        parent: &to.span,
+                        "kv_write",
+                        backend = to.backend.name(),
+                        pages = runs.iter().map(|r| r.n as usize).sum::<usize>(),
+                        bytes = tracing::field::Empty,
+                    );
                     let t = Instant::now();
                     match self.write(&to, &runs) {
                         Ok(n) => {
+                            span.record("bytes", n);
                             let p = self.progress_of(to.attempt);
                             p.bytes += n;
                             p.secs += t.elapsed().as_secs_f64();
@@ -741,6 +782,17 @@ impl KvSender {
                     if self.progress_of(to.attempt).error.is_some() {
                         continue;
                     }
+                    if layer == 0 {
+                        let span = tracing::info_span!(
+                            parent: &to.span,
+                            "kv_write",
+                            backend = to.backend.name(),
+                            pages = runs.iter().map(|r| r.n as usize).sum::<usize>(),
+                            layer_by_layer = true,
+                            bytes = tracing::field::Empty,
+                        );
+                        self.layer_spans.insert(to.attempt, (span, 0));
+                    }
                     let t = Instant::now();
                     let (memory, layout) = (self.memory.clone(), self.layout);
                     let written = self.link(&to).and_then(|l| {
@@ -755,7 +807,13 @@ impl KvSender {
                             let bytes = p.bytes;
                             metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name())
                                 .increment(n);
+                            if let Some((_, b)) = self.layer_spans.get_mut(&to.attempt) {
+                                *b += n;
+                            }
                             if layer + 1 == layout.n_layers {
+                                if let Some((span, b)) = self.layer_spans.remove(&to.attempt) {
+                                    span.record("bytes", b);
+                                }
                                 self.outbox.send(
                                     &to.node,
                                     WORKER_SERVICE,
@@ -786,8 +844,9 @@ impl KvSender {
                     if self.progress_of(to.attempt).error.is_some() {
                         continue; // the engine aborts it and a Drain follows
                     }
+                    let fence_span = tracing::info_span!(parent: &to.span, "fence");
                     let fence_start = Instant::now();
-                    if let Err(error) = self.fence(&to) {
+                    if let Err(error) = fence_span.in_scope(|| self.fence(&to)) {
                         self.progress_of(to.attempt).error = Some(error.clone());
                         let _ = self.done.send(Cmd::SendFailed { seq, error });
                         continue;
@@ -801,11 +860,20 @@ impl KvSender {
                         metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
                     }
                     done.bytes = p.bytes;
+                    drop(fence_span);
+                    tracing::info!(
+                        parent: &to.span,
+                        bytes = p.bytes,
+                        exposed_ms = exposed * 1e3,
+                        "transfer done"
+                    );
                     self.outbox
                         .send(&to.node, WORKER_SERVICE, kinds::DONE, &done);
                     let _ = self.done.send(Cmd::Sent { seq });
                 }
                 Job::Drain { seq, to, failed } => {
+                    let _drain = tracing::info_span!(parent: &to.span, "drain").entered();
+                    self.layer_spans.remove(&to.attempt);
                     let broken = self.progress_of(to.attempt).error.is_some();
                     // A broken connection was dropped: nothing of it can land any more. Else
                     // the fence proves every earlier write landed.

@@ -197,6 +197,8 @@ pub struct PrefillStart {
     pub notice: PreallocNotice,
     /// The backend to use.
     pub backend: Backend,
+    /// The router's span (W3C traceparent), for the prefill spans.
+    pub traceparent: Option<String>,
 }
 
 /// Stop a transfer. From D to P; `attempt` is `None` when D never sent a notice.

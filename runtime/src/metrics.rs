@@ -65,6 +65,18 @@ pub const TRANSFER_LATENCY: &str = "duet_transfer_latency_seconds";
 pub const TRANSFER_GBPS: &str = "duet_transfer_gbps";
 /// Seconds from the end of the last chunk's compute to decode holding the complete KV.
 pub const TRANSFER_EXPOSED: &str = "duet_transfer_exposed_seconds";
+/// Router: seconds from a request's arrival to its first token (TTFT).
+pub const ROUTER_TTFT: &str = "duet_router_ttft_seconds";
+/// Router: seconds between consecutive tokens of a request (ITL).
+pub const ROUTER_ITL: &str = "duet_router_itl_seconds";
+/// Router: seconds from a request's arrival to its last token.
+pub const ROUTER_E2E: &str = "duet_router_e2e_seconds";
+/// KV pages whose transfer was aborted and whose writes are not yet proven drained.
+pub const KV_PAGES_QUARANTINED: &str = "duet_kv_pages_quarantined";
+/// KV pages in use (referenced or pinned).
+pub const KV_PAGES_USED: &str = "duet_kv_pages_used";
+/// Aborted transfers, by `side` and `reason`.
+pub const TRANSFER_ABORTS: &str = "duet_transfer_aborts_total";
 /// Seconds prefill spent writing one request's KV (all its writes and the final fence).
 pub const TRANSFER_WRITE: &str = "duet_transfer_write_seconds";
 /// KV bytes written by prefill, by `backend`.
@@ -113,14 +125,40 @@ pub const ALL: &[&str] = &[
     KV_BYTES_RECEIVED,
     TRANSFERS,
     PREFILL_CHUNKS,
+    ROUTER_TTFT,
+    ROUTER_ITL,
+    ROUTER_E2E,
+    KV_PAGES_QUARANTINED,
+    KV_PAGES_USED,
+    TRANSFER_ABORTS,
 ];
+
+/// Histogram buckets for latencies, in seconds (sub-millisecond transfers to minute-long
+/// requests).
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Histogram buckets for throughputs, in GB/s.
+const GBPS_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.
 pub fn install() -> PrometheusHandle {
     static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            use metrics_exporter_prometheus::Matcher;
+            // Histograms, not summaries: buckets aggregate across nodes and scrapes.
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Suffix("_gbps".into()), GBPS_BUCKETS)
+                });
+            let recorder = match builder {
+                Ok(b) => b.build_recorder(),
+                Err(_) => PrometheusBuilder::new().build_recorder(),
+            };
             let handle = recorder.handle();
             // Fails only if another recorder was installed first, in which case our handle
             // simply renders nothing; never fatal for a node.

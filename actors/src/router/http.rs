@@ -13,8 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_engine::chat::Message;
 use duet_engine::{FinishReason, SamplingParams};
+use duet_runtime::metrics as m;
 use futures_util::stream::{self, Stream};
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use super::{RouterShared, Started};
@@ -93,7 +95,39 @@ enum Api {
     Completion,
 }
 
+/// The root span of a request's trace (continuing the client's, if it sent a `traceparent`).
+fn request_span(route: &str, req: &Request) -> tracing::Span {
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format!("POST {route}"),
+        otel.kind = "server",
+        request = tracing::field::Empty,
+        prompt_tokens = tracing::field::Empty,
+        path = tracing::field::Empty,
+        prefill = tracing::field::Empty,
+        decode = tracing::field::Empty,
+        completion_tokens = tracing::field::Empty,
+        finish_reason = tracing::field::Empty,
+    );
+    let tp = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok());
+    duet_runtime::telemetry::follow(&span, tp);
+    span
+}
+
 async fn chat(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
+    let span = request_span("/v1/chat/completions", &req);
+    chat_inner(s, req).instrument(span).await
+}
+
+async fn completions(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
+    let span = request_span("/v1/completions", &req);
+    completions_inner(s, req).instrument(span).await
+}
+
+async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
     let result = async {
         let r: ChatRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
@@ -122,7 +156,7 @@ async fn chat(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
     }
 }
 
-async fn completions(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
+async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
     let result = async {
         let r: CompletionRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
@@ -248,6 +282,10 @@ struct Generation {
     retried: bool,
     tokens: usize,
     finished: bool,
+    /// The request's span: it ends when the generation does (the end of an SSE stream).
+    span: tracing::Span,
+    arrived: std::time::Instant,
+    last_token: Option<std::time::Instant>,
 }
 
 impl Generation {
@@ -257,6 +295,7 @@ impl Generation {
         params: SamplingParams,
         forced: Option<String>,
     ) -> Result<Generation, ApiError> {
+        let arrived = std::time::Instant::now();
         let started = shared
             .start(&prompt, &params, &[], forced.as_deref())
             .await
@@ -276,6 +315,9 @@ impl Generation {
             params,
             tokens: 0,
             finished: false,
+            span: tracing::Span::current(),
+            arrived,
+            last_token: None,
         })
     }
 
@@ -326,9 +368,26 @@ impl Generation {
             }
             if item.token.is_some() {
                 self.tokens += 1;
+                let now = std::time::Instant::now();
+                match self.last_token {
+                    None => {
+                        let ttft = now.duration_since(self.arrived).as_secs_f64();
+                        metrics::histogram!(m::ROUTER_TTFT).record(ttft);
+                        self.span.in_scope(|| tracing::info!(ttft, "first token"));
+                    }
+                    Some(last) => {
+                        metrics::histogram!(m::ROUTER_ITL)
+                            .record(now.duration_since(last).as_secs_f64());
+                    }
+                }
+                self.last_token = Some(now);
             }
-            if item.finish.is_some() {
+            if let Some(reason) = item.finish {
                 self.finished = true;
+                metrics::histogram!(m::ROUTER_E2E).record(self.arrived.elapsed().as_secs_f64());
+                self.span.record("completion_tokens", self.tokens);
+                self.span
+                    .record("finish_reason", format!("{reason:?}").to_lowercase());
             }
             return Some(Ok(item));
         }

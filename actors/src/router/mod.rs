@@ -159,6 +159,21 @@ impl RouterShared {
     ) -> Result<Started, String> {
         let (worker, prefill) = self.route(prompt.len(), exclude, forced)?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::Span::current();
+        span.record("request", request);
+        span.record("prompt_tokens", prompt.len());
+        span.record("decode", worker.as_str());
+        span.record(
+            "path",
+            if prefill.is_some() {
+                "disaggregated"
+            } else {
+                "decode_only"
+            },
+        );
+        if let Some(p) = &prefill {
+            span.record("prefill", p.as_str());
+        }
         let peer = prefill.map(|node| PrefillPeer {
             node,
             room: rand::rng().random::<u64>() >> 1,

@@ -58,7 +58,44 @@ pub struct ClusterConfig {
     pub supervision: SupervisionConfig,
     /// Every node of the cluster, in file order.
     pub nodes: Vec<NodeConfig>,
+    /// Traces and log format (`[telemetry]`); the standard OpenTelemetry environment
+    /// variables override it.
+    pub telemetry: TelemetryConfig,
 }
+
+/// `[telemetry]`: where traces go and how logs look.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TelemetryConfig {
+    /// OTLP/HTTP base URL (such as `http://127.0.0.1:4318`); tracing is off without one.
+    pub otlp_endpoint: Option<String>,
+    /// Sampler name, as `OTEL_TRACES_SAMPLER` spells it.
+    pub sampler: String,
+    /// Sampler argument (the ratio of the ratio samplers).
+    pub sampler_arg: f64,
+    /// Log lines as JSON objects instead of text.
+    pub json_logs: bool,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            sampler: "parentbased_always_on".to_string(),
+            sampler_arg: 1.0,
+            json_logs: false,
+        }
+    }
+}
+
+/// Samplers `OTEL_TRACES_SAMPLER` and `telemetry.sampler` accept.
+pub const SAMPLERS: &[&str] = &[
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+];
 
 /// Paths of the cluster credentials (all resolved against the config file's folder).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -11,7 +11,8 @@ use toml::Spanned;
 
 use super::{
     ACTOR_KINDS, ClusterConfig, ConfigError, CredentialsConfig, LinkConfig, MAX_RESTARTS_LIMIT,
-    MAX_WITHIN_SECS, MembershipConfig, NodeConfig, RestartPolicy, Role, SupervisionConfig,
+    MAX_WITHIN_SECS, MembershipConfig, NodeConfig, RestartPolicy, Role, SAMPLERS,
+    SupervisionConfig, TelemetryConfig,
 };
 
 #[derive(Deserialize)]
@@ -27,6 +28,8 @@ pub(super) struct RawConfig {
     membership: RawMembership,
     #[serde(default)]
     supervision: BTreeMap<String, Spanned<RawPolicy>>,
+    #[serde(default)]
+    telemetry: RawTelemetry,
     #[serde(default, rename = "node")]
     nodes: Vec<Spanned<RawNode>>,
     /// Application tables (such as `[serving]`) that the runtime carries but does not read;
@@ -65,6 +68,15 @@ struct RawLink {
 struct RawMembership {
     heartbeat_interval_ms: Option<Spanned<u64>>,
     failure_threshold: Option<Spanned<u64>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    otlp_endpoint: Option<Spanned<String>>,
+    sampler: Option<Spanned<String>>,
+    sampler_arg: Option<Spanned<f64>>,
+    log_format: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -360,6 +372,60 @@ pub(super) fn validate(
     }
 
     let _ = raw.serving;
+    let t = &raw.telemetry;
+    let mut telemetry = TelemetryConfig::default();
+    if let Some(e) = &t.otlp_endpoint {
+        let url = e.get_ref().trim_end_matches('/');
+        if !url.starts_with("http://") && !url.starts_with("https://") {
+            return Err(r.error(
+                e.span(),
+                "telemetry.otlp_endpoint",
+                format!("`{url}` is not an OTLP/HTTP URL: expected http://HOST:PORT, such as \"http://127.0.0.1:4318\""),
+            ));
+        }
+        telemetry.otlp_endpoint = Some(url.to_string());
+    }
+    if let Some(s) = &t.sampler {
+        if !SAMPLERS.contains(&s.get_ref().as_str()) {
+            return Err(r.error(
+                s.span(),
+                "telemetry.sampler",
+                format!(
+                    "unknown sampler `{}`: expected one of {}",
+                    s.get_ref(),
+                    SAMPLERS.join(", ")
+                ),
+            ));
+        }
+        telemetry.sampler = s.get_ref().clone();
+    }
+    if let Some(a) = &t.sampler_arg {
+        if !(0.0..=1.0).contains(a.get_ref()) {
+            return Err(r.error(
+                a.span(),
+                "telemetry.sampler_arg",
+                format!(
+                    "{} is out of range: expected a ratio from 0.0 to 1.0",
+                    a.get_ref()
+                ),
+            ));
+        }
+        telemetry.sampler_arg = *a.get_ref();
+    }
+    if let Some(f) = &t.log_format {
+        telemetry.json_logs = match f.get_ref().as_str() {
+            "text" => false,
+            "json" => true,
+            other => {
+                return Err(r.error(
+                    f.span(),
+                    "telemetry.log_format",
+                    format!("unknown log format `{other}`: expected \"text\" or \"json\""),
+                ));
+            }
+        };
+    }
+
     Ok(ClusterConfig {
         path: path.to_path_buf(),
         source: text.to_string(),
@@ -369,6 +435,7 @@ pub(super) fn validate(
         membership,
         supervision,
         nodes,
+        telemetry,
     })
 }
 

@@ -261,7 +261,8 @@ impl LinkHandle {
             sender: format!("{}/{from}", self.local_node),
             target: target.to_string(),
             request_id: 0,
-            traceparent: None,
+            // The current span's context, so the peer's spans join the same trace.
+            traceparent: crate::telemetry::traceparent(),
             body,
         }
     }

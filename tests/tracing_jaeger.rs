@@ -1,0 +1,267 @@
+//! One request, one trace, in a real Jaeger: the router's span is the root, prefill and
+//! decode spans hang under it from their own services, with one span per prefill chunk.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use duet_engine::{Model, fetch};
+use serde_json::{Value, json};
+
+const CHUNK: usize = 32;
+
+/// The Jaeger binary (built once by tools/jaeger/install.sh).
+fn jaeger_bin() -> PathBuf {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/jaeger/install.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("tools/jaeger/install.sh");
+    assert!(out.status.success(), "building Jaeger failed");
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// A Jaeger on loopback with in-memory storage; killed on drop.
+struct Jaeger {
+    child: tokio::process::Child,
+    query: u16,
+    otlp: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Jaeger {
+    async fn start() -> Jaeger {
+        let bin = jaeger_bin();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ports = free_ports(3);
+        let (query, grpc, otlp) = (ports[0], ports[1], ports[2]);
+        let config = format!(
+            "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
+             receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
+             telemetry:\n    metrics:\n      level: none\n\
+             extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
+             endpoint: 127.0.0.1:{query}\n    grpc:\n      endpoint: 127.0.0.1:{grpc}\n  \
+             jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 10000\n\
+             receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{otlp}\n\
+             processors:\n  batch:\n    timeout: 100ms\n\
+             exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n"
+        );
+        let path = dir.path().join("jaeger.yaml");
+        std::fs::write(&path, config).expect("jaeger config");
+        let child = tokio::process::Command::new(bin)
+            .arg("--config")
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start jaeger");
+        let j = Jaeger {
+            child,
+            query,
+            otlp,
+            _dir: dir,
+        };
+        poll("Jaeger's query API", Duration::from_secs(60), || async {
+            j.get("/api/services").await.map(|_| ())
+        })
+        .await;
+        j
+    }
+
+    async fn get(&self, path: &str) -> Option<Value> {
+        let out = tokio::process::Command::new("curl")
+            .args(["-sf", "--max-time", "3"])
+            .arg(format!("http://127.0.0.1:{}{path}", self.query))
+            .output()
+            .await
+            .ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&out.stdout).ok()
+    }
+}
+
+impl Drop for Jaeger {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+fn real_model() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(fetch::MODEL_FILE);
+    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
+}
+
+fn service_of<'a>(trace: &'a Value, span: &Value) -> &'a str {
+    let pid = span["processID"].as_str().unwrap_or_default();
+    trace["processes"][pid]["serviceName"]
+        .as_str()
+        .unwrap_or_default()
+}
+
+fn parent_of(span: &Value) -> Option<&str> {
+    span["references"]
+        .as_array()?
+        .iter()
+        .find(|r| r["refType"] == "CHILD_OF")?["spanID"]
+        .as_str()
+}
+
+fn spans_named<'a>(trace: &'a Value, name: &str) -> Vec<&'a Value> {
+    trace["spans"]
+        .as_array()
+        .map(|s| s.iter().filter(|s| s["operationName"] == name).collect())
+        .unwrap_or_default()
+}
+
+async fn completion(http: u16, body: &Value, traceparent: &str) -> Value {
+    let out = tokio::process::Command::new("curl")
+        .args([
+            "-s",
+            "--max-time",
+            "120",
+            "-H",
+            "content-type: application/json",
+        ])
+        .arg("-H")
+        .arg(format!("traceparent: {traceparent}"))
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+        .output()
+        .await
+        .expect("curl");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_request_is_one_trace_across_router_prefill_and_decode() {
+    let jaeger = Jaeger::start().await;
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let extra = format!(
+        "[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{http}\"\nkv_pages = 64\n\
+         max_batch_tokens = {CHUNK}\ndisagg_threshold = 0\n\n\
+         [telemetry]\notlp_endpoint = \"http://127.0.0.1:{}\"\nsampler = \"always_on\"\n",
+        model_path.display(),
+        jaeger.otlp
+    );
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &extra,
+    );
+    let _up = Running::up(&c.config).await;
+    poll("workers ready", Duration::from_secs(120), || async {
+        let out = tokio::process::Command::new("curl")
+            .args(["-s", "--max-time", "2"])
+            .arg(format!("http://127.0.0.1:{http}/ready"))
+            .output()
+            .await
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .contains("\"workers\":2")
+            .then_some(())
+    })
+    .await;
+    // A client's own trace continues into Duet: its traceparent names the trace.
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let text = "Tracing shows where a request spends its time, across every process it visits. ";
+    let prompt: Vec<u32> = model.tokenizer.encode(&text.repeat(8))[..3 * CHUNK + 5].to_vec();
+    let chunks = prompt.len().div_ceil(CHUNK);
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let v = completion(http, &body, &format!("00-{trace_id}-{client_span}-01")).await;
+    assert!(v["choices"][0]["text"].is_string(), "{v}");
+
+    let trace = poll("the trace in Jaeger", Duration::from_secs(60), || async {
+        let t = jaeger.get(&format!("/api/traces/{trace_id}")).await?;
+        let trace = t["data"].get(0)?.clone();
+        let services: Vec<&str> = trace["spans"]
+            .as_array()?
+            .iter()
+            .map(|s| service_of(&trace, s))
+            .collect();
+        // Every service has flushed its part, down to decode's decoding span.
+        (["duet-router", "duet-p0", "duet-d0"]
+            .iter()
+            .all(|s| services.contains(s))
+            && !spans_named(&trace, "decoding").is_empty()
+            && spans_named(&trace, "chunk").len() >= chunks)
+            .then_some(trace)
+    })
+    .await;
+    let dump = || serde_json::to_string_pretty(&trace).unwrap_or_default();
+
+    let request = spans_named(&trace, "POST /v1/completions");
+    assert_eq!(request.len(), 1, "{}", dump());
+    let request = request[0];
+    assert_eq!(service_of(&trace, request), "duet-router");
+    assert_eq!(
+        parent_of(request),
+        Some(client_span),
+        "continues the client's span"
+    );
+    let request_id = request["spanID"].as_str().unwrap_or_default();
+
+    let prefill = spans_named(&trace, "prefill");
+    assert_eq!(prefill.len(), 1, "{}", dump());
+    assert_eq!(service_of(&trace, prefill[0]), "duet-p0");
+    assert_eq!(parent_of(prefill[0]), Some(request_id));
+    let prefill_id = prefill[0]["spanID"].as_str().unwrap_or_default();
+
+    let chunk_spans = spans_named(&trace, "chunk");
+    assert_eq!(chunk_spans.len(), chunks, "one span per prefill chunk");
+    for s in &chunk_spans {
+        assert_eq!(parent_of(s), Some(prefill_id));
+    }
+    let writes = spans_named(&trace, "kv_write");
+    assert!(!writes.is_empty(), "{}", dump());
+    for w in &writes {
+        assert_eq!(parent_of(w), Some(prefill_id));
+        let tags = w["tags"].as_array().cloned().unwrap_or_default();
+        assert!(
+            tags.iter()
+                .any(|t| t["key"] == "backend" && t["value"] == "shm"),
+            "{w}"
+        );
+        assert!(tags.iter().any(|t| t["key"] == "bytes"), "{w}");
+    }
+    let waits = spans_named(&trace, "bootstrap_wait");
+    assert_eq!(waits.len(), 1);
+    assert_eq!(service_of(&trace, waits[0]), "duet-p0");
+    assert_eq!(parent_of(waits[0]), Some(request_id));
+    assert_eq!(spans_named(&trace, "queue_wait").len(), 1);
+
+    let decode = spans_named(&trace, "decode");
+    assert_eq!(decode.len(), 1, "{}", dump());
+    assert_eq!(service_of(&trace, decode[0]), "duet-d0");
+    assert_eq!(parent_of(decode[0]), Some(request_id));
+    let decode_id = decode[0]["spanID"].as_str().unwrap_or_default();
+    for phase in ["prealloc", "transfer_wait", "decoding"] {
+        let s = spans_named(&trace, phase);
+        assert_eq!(s.len(), 1, "{phase}: {}", dump());
+        assert_eq!(parent_of(s[0]), Some(decode_id), "{phase}");
+    }
+    let decoding = spans_named(&trace, "decoding")[0];
+    let events: Vec<String> = decoding["logs"]
+        .as_array()
+        .map(|logs| {
+            logs.iter()
+                .flat_map(|l| l["fields"].as_array().cloned().unwrap_or_default())
+                .filter(|f| f["key"] == "event")
+                .filter_map(|f| f["value"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(events.iter().any(|e| e == "first token"), "{events:?}");
+    assert!(events.iter().any(|e| e == "finished"), "{events:?}");
+}
