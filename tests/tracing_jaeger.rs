@@ -264,4 +264,36 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
         .unwrap_or_default();
     assert!(events.iter().any(|e| e == "first token"), "{events:?}");
     assert!(events.iter().any(|e| e == "finished"), "{events:?}");
+
+    // The same request in the metrics: latency histograms on the router, pages on decode.
+    let token = c.token();
+    let router = duet_runtime::admin::client::metrics_text(
+        c.admin("router"),
+        &token,
+        Duration::from_secs(3),
+    )
+    .await
+    .expect("router metrics");
+    for name in [
+        "duet_router_ttft_seconds_bucket",
+        "duet_router_itl_seconds_bucket",
+        "duet_router_e2e_seconds_count",
+    ] {
+        assert!(
+            router.contains(name),
+            "{name} missing from the router's /metrics"
+        );
+    }
+    let d0 =
+        duet_runtime::admin::client::metrics_text(c.admin("d0"), &token, Duration::from_secs(3))
+            .await
+            .expect("d0 metrics");
+    for name in [
+        "duet_kv_pages_used",
+        "duet_kv_pages_quarantined",
+        "duet_transfer_latency_seconds_bucket",
+        "duet_prealloc_queue",
+    ] {
+        assert!(d0.contains(name), "{name} missing from d0's /metrics");
+    }
 }

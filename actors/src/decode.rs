@@ -210,6 +210,7 @@ impl Actor for DecodeWorker {
             total_pages: runner.engine.pool.capacity(),
             pinned_pages: 0,
             cached_pages: 0,
+            quarantined_pages: 0,
         }));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
@@ -945,6 +946,8 @@ impl DecodeCore {
         let _ = self.ledger.abort(t.attempt, reason, now, alloc);
         let _ = alloc.release_all(&t.prefix);
         metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
+        metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
+            .increment(1);
         if closed {
             let _ = self.ledger.drained(t.attempt, alloc);
             self.grants.revoke(t.attempt);
@@ -1223,6 +1226,7 @@ impl DecodeCore {
         l.free_pages = stats.free;
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
+        l.quarantined_pages = self.ledger.quarantined_pages();
     }
 }
 
@@ -1281,6 +1285,8 @@ pub(crate) async fn report_load(
         metrics::gauge!(m::KV_PAGES_FREE).set(report.free_pages as f64);
         metrics::gauge!(m::KV_PAGES_CACHED).set(report.cached_pages as f64);
         metrics::gauge!(m::KV_PAGES_PINNED).set(report.pinned_pages as f64);
+        metrics::gauge!(m::KV_PAGES_QUARANTINED).set(report.quarantined_pages as f64);
+        metrics::gauge!(m::KV_PAGES_USED).set((report.total_pages - report.free_pages) as f64);
         metrics::gauge!(m::SEQS_RUNNING).set(report.running as f64);
         metrics::gauge!(m::SEQS_WAITING).set(report.waiting as f64);
         let body = wire::encode_body(&report);

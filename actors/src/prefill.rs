@@ -128,6 +128,7 @@ impl Actor for PrefillWorker {
             total_pages: runner.engine.pool.capacity(),
             pinned_pages: 0,
             cached_pages: 0,
+            quarantined_pages: 0,
         }));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
@@ -521,6 +522,8 @@ impl PrefillCore {
             .ledger
             .abort(key, reason, now, &mut self.runner.engine.pool.alloc);
         metrics::counter!(m::TRANSFERS, "side" => "prefill", "outcome" => "aborted").increment(1);
+        metrics::counter!(m::TRANSFER_ABORTS, "side" => "prefill", "reason" => reason.name())
+            .increment(1);
         let _ = self.jobs.send(Job::Drain { seq, to, failed });
     }
 
@@ -697,6 +700,7 @@ impl PrefillCore {
         l.free_pages = stats.free;
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
+        l.quarantined_pages = self.ledger.quarantined_pages();
     }
 }
 

@@ -378,4 +378,6 @@ pub struct LoadReport {
     pub pinned_pages: usize,
     /// Pages held only by the prefix cache (reclaimable at once).
     pub cached_pages: usize,
+    /// Pages of aborted transfers not yet proven drained.
+    pub quarantined_pages: usize,
 }

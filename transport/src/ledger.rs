@@ -53,6 +53,18 @@ pub enum AbortReason {
     ConsumerFailure,
 }
 
+impl AbortReason {
+    /// Its name in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            AbortReason::ClientCancel => "client_cancel",
+            AbortReason::Timeout => "timeout",
+            AbortReason::ProducerFailure => "producer_failure",
+            AbortReason::ConsumerFailure => "consumer_failure",
+        }
+    }
+}
+
 /// Where an attempt stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -391,6 +403,16 @@ impl TransferLedger {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Pages of aborted attempts whose writes are not yet proven drained (quarantined: no
+    /// request holds them, but they cannot be reused).
+    pub fn quarantined_pages(&self) -> usize {
+        self.attempts
+            .values()
+            .filter(|a| matches!(a.state, State::Draining { .. }))
+            .map(|a| a.pages.len())
+            .sum()
     }
 
     /// Pages a write of some attempt may still touch (active or draining attempts).
