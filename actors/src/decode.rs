@@ -584,9 +584,14 @@ impl DecodeCore {
                 );
                 duet_runtime::telemetry::follow(&root, traceparent.as_deref());
                 let phase = if generate.prefill.is_some() {
-                    tracing::info_span!(parent: &root, "prealloc")
+                    tracing::info_span!(parent: &root, "prealloc", request = generate.request)
                 } else {
-                    tracing::info_span!(parent: &root, "decoding", local_prefill = true)
+                    tracing::info_span!(
+                        parent: &root,
+                        "decoding",
+                        request = generate.request,
+                        local_prefill = true
+                    )
                 };
                 self.spans.insert(seq, (root, phase));
                 self.owners.insert(seq, (router.clone(), generate.request));
@@ -764,7 +769,13 @@ impl DecodeCore {
             abort_p(&self.outbox, &p);
             metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
             if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
-                *phase = tracing::info_span!(parent: &*root, "decoding", local_prefill = true, cached_tokens = cached);
+                *phase = tracing::info_span!(
+                    parent: &*root,
+                    "decoding",
+                    request = p.generate.request,
+                    local_prefill = true,
+                    cached_tokens = cached
+                );
             }
             let Prealloc {
                 seq,
@@ -827,6 +838,9 @@ impl DecodeCore {
             *phase = tracing::info_span!(
                 parent: &*root,
                 "transfer_wait",
+                request = p.generate.request,
+                room = p.peer.room,
+                attempt,
                 pages = need,
                 decode_prefix_len = cached
             );
@@ -903,7 +917,14 @@ impl DecodeCore {
             Ok(ev) => {
                 let finished = ev.finish.is_some();
                 if let Some((root, phase)) = self.spans.get_mut(&t.seq) {
-                    *phase = tracing::info_span!(parent: &*root, "decoding", local_prefill = false);
+                    *phase = tracing::info_span!(
+                        parent: &*root,
+                        "decoding",
+                        request = t.generate.request,
+                        room = t.peer.room,
+                        attempt = t.attempt,
+                        local_prefill = false
+                    );
                     tracing::info!(parent: &*phase, token = ev.token, kv_bytes = d.bytes, "first token");
                     self.first_tokens.insert(t.seq);
                     if let Some(reason) = ev.finish {
