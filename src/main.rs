@@ -7,6 +7,7 @@
 //! - `duet fetch-model`, `duet generate`, `duet tiny-model`: the model and the engine alone.
 
 mod admin_cli;
+mod bench;
 mod generate;
 mod up;
 
@@ -89,6 +90,8 @@ enum Command {
     },
     /// Run the model in this process and print what it generates.
     Generate(generate::GenerateArgs),
+    /// Load-test a router (streaming OpenAI API), or run an experiment (`--experiment`).
+    Bench(bench::BenchArgs),
     /// Write a tiny random-weight GGUF of the same architecture (for fast tests).
     TinyModel {
         /// Output file.
@@ -130,6 +133,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
         Command::Credentials { config } => credentials(&config),
+        Command::Bench(args) => bench::run(args).await,
         Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
             ExitCode::SUCCESS
         }

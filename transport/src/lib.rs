@@ -11,6 +11,7 @@
 //! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
 
 pub mod backend;
+pub mod bench;
 pub mod ledger;
 pub mod shm;
 pub mod tcp;

@@ -1,0 +1,461 @@
+//! The experiments of `duet bench`.
+//!
+//! **Interference** (the reference chapter's claim): colocated chunked prefill makes every
+//! running sequence's inter-token latency jump while a long prompt is prefilled;
+//! disaggregation removes the jump. One invocation runs the same workload against two clusters
+//! it starts and stops itself:
+//!
+//! - `colocated`: router + one decode worker computing with both cores (chunked prefill);
+//! - `disaggregated`: router + a prefill worker pinned to core 0 + a decode worker pinned to
+//!   core 1 (`taskset`), long prompts paired, short ones on decode alone.
+//!
+//! The workload: B steady sequences decoding all the time (short prompts, long outputs; each
+//! one that ends is replaced), plus a long prompt arriving every `period`. ITL is measured on
+//! the steady sequences, TTFT on the long prompts.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use super::stats::{self, RequestRecord};
+use super::{Ask, BenchArgs, client, plots, prompt, write_json};
+
+/// The workload and cluster shape of one interference run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Params {
+    /// The GGUF served.
+    pub model: String,
+    /// Steady decoding sequences.
+    pub steady: usize,
+    /// Their prompt tokens.
+    pub steady_prompt: usize,
+    /// Their output tokens (then a new one starts).
+    pub steady_output: usize,
+    /// Long prompt tokens.
+    pub long_prompt: usize,
+    /// Long prompts' output tokens.
+    pub long_output: usize,
+    /// Seconds between long prompts.
+    pub period_s: f64,
+    /// Seconds of load per mode.
+    pub duration_s: f64,
+    /// Tokens per engine step (the prefill chunk).
+    pub max_batch_tokens: usize,
+    /// Cores on this machine.
+    pub cores: usize,
+    /// Seed of the prompts.
+    pub seed: u64,
+}
+
+/// What one mode measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModeResult {
+    /// ITL of the steady sequences, p50, ms.
+    pub itl_p50_ms: f64,
+    /// ITL of the steady sequences, p99, ms.
+    pub itl_p99_ms: f64,
+    /// TTFT of the long prompts, p50, ms.
+    pub ttft_p50_ms: f64,
+    /// TTFT of the long prompts, p99, ms.
+    pub ttft_p99_ms: f64,
+    /// Output tokens per second, all requests.
+    pub throughput_tok_s: f64,
+    /// Requests that failed.
+    pub failed: usize,
+    /// Long prompts sent.
+    pub long_prompts: usize,
+    /// The parameters used.
+    pub params: Params,
+}
+
+/// Every record of one mode, for the plots.
+pub struct ModeRun {
+    pub name: &'static str,
+    pub records: Vec<RequestRecord>,
+    pub result: ModeResult,
+}
+
+fn params(args: &BenchArgs, model: &Path) -> Params {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if args.quick {
+        Params {
+            model: model.display().to_string(),
+            steady: 2,
+            steady_prompt: 8,
+            steady_output: 24,
+            long_prompt: 96,
+            long_output: 2,
+            period_s: 1.0,
+            duration_s: args.duration.min(3.0),
+            max_batch_tokens: 32,
+            cores,
+            seed: args.seed,
+        }
+    } else {
+        Params {
+            model: model.display().to_string(),
+            steady: 4,
+            steady_prompt: 32,
+            steady_output: 96,
+            long_prompt: 1024,
+            long_output: 4,
+            period_s: 8.0,
+            duration_s: args.duration,
+            max_batch_tokens: 256,
+            cores,
+            seed: args.seed,
+        }
+    }
+}
+
+/// `--experiment interference`.
+pub async fn interference(args: &BenchArgs) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let model = match (&args.model, args.quick) {
+        (Some(m), _) => m.clone(),
+        (None, true) => {
+            let p = dir.path().join("tiny.gguf");
+            std::fs::write(&p, duet_engine::tiny::tiny_model_bytes(1))
+                .map_err(|e| e.to_string())?;
+            p
+        }
+        (None, false) => {
+            let p = PathBuf::from("models").join(duet_engine::fetch::MODEL_FILE);
+            duet_engine::fetch::ensure_model(&p, &mut |_| {}).map_err(|e| e.to_string())?
+        }
+    };
+    let model = std::fs::canonicalize(&model).map_err(|e| format!("{}: {e}", model.display()))?;
+    let p = params(args, &model);
+    let mut runs = Vec::new();
+    for mode in [Mode::Colocated, Mode::Disaggregated] {
+        eprintln!("{}: starting the cluster", mode.name());
+        let cluster = Cluster::start(mode, &p, dir.path()).await?;
+        eprintln!(
+            "{}: {:.0} s of load ({} steady sequences, a {}-token prompt every {} s)",
+            mode.name(),
+            p.duration_s,
+            p.steady,
+            p.long_prompt,
+            p.period_s
+        );
+        let (records, seconds) = workload(cluster.http, &p).await;
+        cluster.stop().await;
+        let result = result_of(&records, seconds, &p);
+        eprintln!(
+            "{}: ITL p50 {:.1} ms p99 {:.1} ms, long-prompt TTFT p50 {:.0} ms p99 {:.0} ms, {:.1} tok/s",
+            mode.name(),
+            result.itl_p50_ms,
+            result.itl_p99_ms,
+            result.ttft_p50_ms,
+            result.ttft_p99_ms,
+            result.throughput_tok_s
+        );
+        runs.push(ModeRun {
+            name: mode.name(),
+            records,
+            result,
+        });
+    }
+    let (c, d) = (&runs[0].result, &runs[1].result);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    println!(
+        "interference, {} steady sequences, a {}-token prompt every {} s:",
+        p.steady, p.long_prompt, p.period_s
+    );
+    for r in &runs {
+        println!(
+            "  {:<14} ITL p50 {:>7.1} ms  p99 {:>7.1} ms   TTFT(long) p50 {:>7.0} ms  p99 {:>7.0} ms   {:>6.1} tok/s",
+            r.name,
+            r.result.itl_p50_ms,
+            r.result.itl_p99_ms,
+            r.result.ttft_p50_ms,
+            r.result.ttft_p99_ms,
+            r.result.throughput_tok_s
+        );
+    }
+    println!(
+        "  disaggregated ITL p99/p50 {:.2} (target <= 1.3); ITL p99 {:.2}x colocated (target <= 0.25); long-prompt TTFT p50 {:.2}x colocated (target <= 1.2)",
+        ratio(d.itl_p99_ms, d.itl_p50_ms),
+        ratio(d.itl_p99_ms, c.itl_p99_ms),
+        ratio(d.ttft_p50_ms, c.ttft_p50_ms)
+    );
+    if let Some(path) = &args.json {
+        let out = json!({
+            "experiment": "interference",
+            "colocated": c,
+            "disaggregated": d,
+            "ratios": {
+                "disaggregated_itl_p99_over_p50": ratio(d.itl_p99_ms, d.itl_p50_ms),
+                "itl_p99_disaggregated_over_colocated": ratio(d.itl_p99_ms, c.itl_p99_ms),
+                "ttft_p50_disaggregated_over_colocated": ratio(d.ttft_p50_ms, c.ttft_p50_ms),
+            },
+        });
+        write_json(path, &out)?;
+    }
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        plots::interference(dir, &runs, &p)?;
+        println!("  plots in {}", dir.display());
+    }
+    Ok(())
+}
+
+fn result_of(records: &[RequestRecord], seconds: f64, p: &Params) -> ModeResult {
+    let steady: Vec<RequestRecord> = records
+        .iter()
+        .filter(|r| r.class == "steady")
+        .cloned()
+        .collect();
+    let long: Vec<RequestRecord> = records
+        .iter()
+        .filter(|r| r.class == "long")
+        .cloned()
+        .collect();
+    let slo = stats::Slo {
+        ttft_ms: f64::INFINITY,
+        itl_ms: f64::INFINITY,
+    };
+    let s = stats::summarize(&steady, seconds, slo);
+    let l = stats::summarize(&long, seconds, slo);
+    let all = stats::summarize(records, seconds, slo);
+    ModeResult {
+        itl_p50_ms: s.itl_p50_ms,
+        itl_p99_ms: s.itl_p99_ms,
+        ttft_p50_ms: l.ttft_p50_ms,
+        ttft_p99_ms: l.ttft_p99_ms,
+        throughput_tok_s: all.throughput_tok_s,
+        failed: all.failed,
+        long_prompts: long.len(),
+        params: p.clone(),
+    }
+}
+
+/// Steady sequences plus periodic long prompts, for `p.duration_s`.
+async fn workload(addr: std::net::SocketAddr, p: &Params) -> (Vec<RequestRecord>, f64) {
+    let epoch = Instant::now();
+    let end = epoch + Duration::from_secs_f64(p.duration_s);
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..p.steady {
+        let (records, p) = (records.clone(), p.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(p.seed.wrapping_add(i as u64));
+            while Instant::now() < end {
+                let ask = Ask {
+                    prompt: prompt(&mut rng, p.steady_prompt),
+                    max_tokens: p.steady_output,
+                    class: "steady",
+                };
+                let r = client::stream_completion(addr, &ask, epoch).await;
+                records.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+            }
+        }));
+    }
+    // The first long prompt after the steady sequences are decoding.
+    let mut rng = StdRng::seed_from_u64(p.seed.wrapping_add(1000));
+    let mut at = epoch + Duration::from_secs_f64(p.period_s / 2.0);
+    while at < end {
+        tokio::time::sleep_until(at.into()).await;
+        let ask = Ask {
+            prompt: prompt(&mut rng, p.long_prompt),
+            max_tokens: p.long_output,
+            class: "long",
+        };
+        let records = records.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client::stream_completion(addr, &ask, epoch).await;
+            records.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        }));
+        at += Duration::from_secs_f64(p.period_s);
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let seconds = epoch.elapsed().as_secs_f64();
+    let records = std::mem::take(&mut *records.lock().unwrap_or_else(|e| e.into_inner()));
+    (records, seconds)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Colocated,
+    Disaggregated,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Colocated => "colocated",
+            Mode::Disaggregated => "disaggregated",
+        }
+    }
+}
+
+/// A cluster this command started: one `duet node` process per node.
+struct Cluster {
+    http: std::net::SocketAddr,
+    nodes: Vec<tokio::process::Child>,
+}
+
+impl Cluster {
+    async fn start(mode: Mode, p: &Params, dir: &Path) -> Result<Cluster, String> {
+        let ports = duet_runtime::testing::free_loopback_ports(4);
+        let http = std::net::SocketAddr::from(([127, 0, 0, 1], ports[0]));
+        let folder = dir.join(mode.name());
+        std::fs::create_dir_all(&folder).map_err(|e| e.to_string())?;
+        let two = p.cores >= 2;
+        let (workers, tables) = match mode {
+            Mode::Colocated => (
+                vec![("d0", "decode", ports[2], None)],
+                format!("[serving.node.d0]\nthreads = {}\n", p.cores.clamp(1, 2)),
+            ),
+            Mode::Disaggregated => (
+                vec![
+                    ("p0", "prefill", ports[2], two.then_some(0)),
+                    ("d0", "decode", ports[3], two.then_some(1)),
+                ],
+                "[serving.node.p0]\nthreads = 1\n[serving.node.d0]\nthreads = 1\n".to_string(),
+            ),
+        };
+        // Short prompts (the steady sequences) run on decode alone in both modes; long ones
+        // are paired when there is a prefill worker.
+        let threshold = (p.long_prompt / 2).max(p.steady_prompt + 1);
+        let mut text = format!(
+            "[cluster]\nname = \"bench-{}\"\n\n[serving]\nmodel = \"{}\"\nhttp = \"{http}\"\n\
+             kv_pages = 512\nmax_batch_tokens = {}\nmax_running = 64\ndisagg_threshold = {threshold}\n{tables}\n\
+             [[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:{}\"\n",
+            mode.name(),
+            p.model,
+            p.max_batch_tokens,
+            ports[1]
+        );
+        for (name, role, port, _) in &workers {
+            text.push_str(&format!(
+                "[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"127.0.0.1:{port}\"\n"
+            ));
+        }
+        let config = folder.join("cluster.toml");
+        std::fs::write(&config, text).map_err(|e| e.to_string())?;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let status = tokio::process::Command::new(&exe)
+            .args(["credentials", "--config"])
+            .arg(&config)
+            .stdout(Stdio::null())
+            .status()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err("cannot create the cluster credentials".into());
+        }
+        let mut nodes = Vec::new();
+        let mut all: Vec<(&str, Option<usize>)> = vec![("router", None)];
+        all.extend(workers.iter().map(|(n, _, _, cpu)| (*n, *cpu)));
+        for (name, cpu) in all {
+            let taskset = cpu.is_some() && which("taskset");
+            let mut cmd = if taskset {
+                let mut c = tokio::process::Command::new("taskset");
+                c.arg("-c").arg(cpu.unwrap_or(0).to_string()).arg(&exe);
+                c
+            } else {
+                tokio::process::Command::new(&exe)
+            };
+            let mut child = cmd
+                .args(["node", "--config"])
+                .arg(&config)
+                .args(["--name", name])
+                .env("DUET_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .map_err(|e| format!("start {name}: {e}"))?;
+            let stdout = child.stdout.take().ok_or("no stdout")?;
+            let mut lines = BufReader::new(stdout).lines();
+            let ready = tokio::time::timeout(Duration::from_secs(120), async {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with(duet_runtime::node::READY_MARKER) {
+                        return true;
+                    }
+                }
+                false
+            })
+            .await
+            .unwrap_or(false);
+            if !ready {
+                return Err(format!("node {name} did not start"));
+            }
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            nodes.push(child);
+        }
+        let cluster = Cluster { http, nodes };
+        // Ready when every worker reported to the router.
+        let want = format!("\"workers\":{}", workers.len());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok((_, body)) = duet_runtime::admin::client::exchange(
+                http,
+                "",
+                duet_runtime::admin::client::Method::GET,
+                "/ready",
+                None,
+                Duration::from_secs(2),
+            )
+            .await
+                && String::from_utf8_lossy(&body).contains(&want)
+            {
+                return Ok(cluster);
+            }
+            if Instant::now() > deadline {
+                cluster.stop().await;
+                return Err(format!("the {} cluster never became ready", mode.name()));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn stop(mut self) {
+        for n in &self.nodes {
+            if let Some(pid) = n.id() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+            }
+        }
+        for n in &mut self.nodes {
+            if tokio::time::timeout(Duration::from_secs(15), n.wait())
+                .await
+                .is_err()
+            {
+                let _ = n.kill().await;
+            }
+        }
+    }
+}
+
+fn which(program: &str) -> bool {
+    std::process::Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// `--experiment transfer`.
+pub fn transfer(args: &BenchArgs) -> Result<(), String> {
+    let report = duet_transport::bench::measure();
+    println!("{report}");
+    if let Some(path) = &args.json {
+        let v = serde_json::to_value(report).map_err(|e| e.to_string())?;
+        write_json(path, &json!({"experiment": "transfer", "result": v}))?;
+    }
+    Ok(())
+}
