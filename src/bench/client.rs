@@ -21,6 +21,9 @@ pub struct Ask {
     pub max_tokens: usize,
     /// Workload class, carried into the record.
     pub class: &'static str,
+    /// Stop reading at this instant and keep what arrived (closing the connection cancels the
+    /// request): sequences meant to decode for the whole run.
+    pub until: Option<Instant>,
 }
 
 /// Sends `ask` to the router at `addr`; `epoch` is the run's start (record times are relative
@@ -88,7 +91,14 @@ async fn run(
     let mut last: Option<Instant> = None;
     let mut done = false;
     while !done {
-        let Some(frame) = body.frame().await else {
+        let next = match ask.until {
+            Some(until) => match tokio::time::timeout_at(until.into(), body.frame()).await {
+                Ok(f) => f,
+                Err(_) => break, // the run is over: keep the partial record
+            },
+            None => body.frame().await,
+        };
+        let Some(frame) = next else {
             break;
         };
         let frame = frame.map_err(|e| format!("body: {e}"))?;

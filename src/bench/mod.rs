@@ -221,6 +221,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
                     prompt: prompt(&mut rng, n),
                     max_tokens: args.output_len.draw(&mut rng),
                     class: "load",
+                    until: None,
                 };
                 let records = records.clone();
                 tasks.push(tokio::spawn(async move {
@@ -244,6 +245,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
                             prompt: prompt(&mut rng, n),
                             max_tokens: output_len.draw(&mut rng),
                             class: "load",
+                            until: None,
                         };
                         let r = client::stream_completion(addr, &ask, epoch).await;
                         records.lock().unwrap_or_else(|p| p.into_inner()).push(r);
