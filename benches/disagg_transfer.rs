@@ -84,10 +84,16 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
     let (write, _) = summary(&text, "duet_transfer_write_seconds");
     let (prefill, _) = summary(&text, "duet_prefill_seconds");
     let bytes = metric(c.admin("p0"), &token, "duet_kv_bytes_sent_total", "").await;
+    let d0 =
+        duet_runtime::admin::client::metrics_text(c.admin("d0"), &token, Duration::from_secs(3))
+            .await
+            .expect("metrics");
+    let (verify, _) = summary(&d0, "duet_kv_verify_seconds");
     let n = n.max(1.0);
     println!(
         "  {backend:<4} {:>6.1} MB/request  prefill {:>7.1} ms  writing {:>6.2} ms ({:.2} GB/s)  \
-         exposed {:>6.3} ms = {:>5.1}% of the writing, {:.3}% of the prefill",
+         exposed {:>6.3} ms = {:>5.1}% of the writing, {:.3}% of the prefill; \
+         decode's checksum check {:.2} ms ({:.1} GB/s)",
         bytes / n / 1e6,
         prefill / n * 1e3,
         write / n * 1e3,
@@ -95,6 +101,8 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
         exposed / n * 1e3,
         100.0 * exposed / write.max(1e-9),
         100.0 * exposed / prefill.max(1e-9),
+        verify / n * 1e3,
+        bytes / verify.max(1e-9) / 1e9,
     );
 }
 

@@ -25,7 +25,7 @@ fn serving(model: &Path, http: u16, extra: &str) -> String {
     format!(
         "[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{http}\"\nkv_pages = 64\npage_size = {PAGE}\n\
          max_batch_tokens = {CHUNK}\ndisagg_threshold = 0\nkv_dtype = \"f32\"\n\
-         request_timeout_secs = 40\nbootstrap_timeout_secs = 20\n{extra}",
+         request_timeout_secs = 40\nbootstrap_timeout_secs = 20\ntransfer_timeout_secs = 30\n{extra}",
         model.display()
     )
 }
@@ -467,6 +467,59 @@ async fn short_or_cached_prompts_are_prefilled_on_decode() {
         metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
         chunks,
         "prefill computed a prompt decode had cached"
+    );
+    assert_pools_whole(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupted_run_is_caught_by_the_checksum_and_never_served() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let prompt = prompt_ids(&model, 3 * CHUNK + 5);
+    let greedy = SamplingParams {
+        max_tokens: 6,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let want = colocated(&model_path, std::slice::from_ref(&prompt), &greedy);
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, ""),
+    );
+    // Prefill corrupts one byte of the first run of its first transfer, after writing it.
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[("DUET_FAULT_CORRUPT_KV", "1")],
+    )
+    .await;
+    ready(http).await;
+    let token = c.token();
+    let (code, v) = complete(
+        http,
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+    )
+    .await;
+    // The corrupted attempt failed its checksum on decode; the router retried on a new
+    // attempt, and what the client got is the uncorrupted output.
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(text_of(&v), want[0]);
+    assert_eq!(
+        metric(c.admin("d0"), &token, "duet_kv_checksum_failures_total", "").await,
+        1.0
+    );
+    assert!(metric(c.admin("router"), &token, "duet_router_retries_total", "").await >= 1.0);
+    assert_eq!(
+        metric(
+            c.admin("d0"),
+            &token,
+            "duet_transfers_total",
+            "outcome=\"completed\""
+        )
+        .await,
+        1.0,
+        "only the clean attempt was published"
     );
     assert_pools_whole(&c).await;
 }

@@ -226,7 +226,8 @@ impl Actor for DecodeWorker {
                 endpoint,
                 incarnation,
                 threshold: settings.disagg_threshold,
-                transfer_timeout: settings.request_timeout,
+                transfer_timeout: settings.transfer_timeout,
+                checksum: settings.kv_checksum,
                 max_running: settings.max_running,
                 next_seq: 0,
                 owners: HashMap::new(),
@@ -496,6 +497,8 @@ struct DecodeCore {
     incarnation: u64,
     threshold: usize,
     transfer_timeout: Duration,
+    /// Check prefill's checksums before publishing.
+    checksum: bool,
     max_running: usize,
     next_seq: u64,
     /// Local sequence id -> (router, router's request id), and back.
@@ -875,6 +878,17 @@ impl DecodeCore {
         let Some(t) = self.transfers.remove(&key) else {
             return;
         };
+        if self.checksum
+            && let Err(e) = self.verify(&t, &d)
+        {
+            // Corrupted or incomplete: never published. Prefill fenced its writes before it
+            // sent the done, so the pages are drained and free at once; the router retries.
+            metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
+            tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
+            self.end_transfer(&t, AbortReason::ProducerFailure, true);
+            self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
+            return;
+        }
         let alloc = &mut self.runner.engine.pool.alloc;
         match self.ledger.complete(t.attempt, alloc) {
             Ok((duet_transport::Outcome::Applied, _)) => {}
@@ -957,6 +971,36 @@ impl DecodeCore {
                 self.fail(t.seq, format!("decode admit: {e}"), items);
             }
         }
+    }
+
+    /// Checks that prefill's checksums cover every page of the transfer and match the bytes
+    /// that landed here.
+    fn verify(&self, t: &Transfer, d: &TransferDone) -> Result<(), String> {
+        let start = Instant::now();
+        let pool = &self.runner.engine.pool;
+        let mut covered: Vec<PageId> = d.checksums.iter().flat_map(|c| c.pages.clone()).collect();
+        covered.sort_unstable();
+        let mut want = t.pages.clone();
+        want.sort_unstable();
+        if covered != want {
+            return Err(format!(
+                "checksums cover {} of the {} pages written",
+                covered.len(),
+                want.len()
+            ));
+        }
+        for c in &d.checksums {
+            let got = duet_transport::pages_crc(&pool.memory(), pool.layout(), &c.pages)
+                .map_err(|e| e.to_string())?;
+            if got != c.crc {
+                return Err(format!(
+                    "checksum mismatch on pages {:?}: prefill sent {:#010x}, decode holds {got:#010x}",
+                    c.pages, c.crc
+                ));
+            }
+        }
+        metrics::histogram!(m::KV_VERIFY).record(start.elapsed().as_secs_f64());
+        Ok(())
     }
 
     /// Ends a transfer that will not complete: the ledger keeps the pins until P proves its

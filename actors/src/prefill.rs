@@ -40,7 +40,7 @@ use crate::decode::{engine_options, layout_info, load_model, report_load};
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
     Abort, AbortAck, ChunkWritten, Heartbeat, LayoutHello, LayoutInfo, LoadReport, PREFILL_SERVICE,
-    PrefillStart, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
+    PrefillStart, RunChecksum, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -144,6 +144,11 @@ impl Actor for PrefillWorker {
                 links: HashMap::new(),
                 progress: HashMap::new(),
                 layer_spans: HashMap::new(),
+                checksum: settings.kv_checksum,
+                corrupt: std::env::var("DUET_FAULT_CORRUPT_KV")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0),
             };
             std::thread::Builder::new()
                 .name(format!("duet-kv-sender-{node}"))
@@ -671,6 +676,7 @@ impl PrefillCore {
                 sampler,
                 bytes: 0,
                 prefill_cached: ev.cached_tokens,
+                checksums: Vec::new(),
             };
             let _ = self.jobs.send(Job::Finish {
                 seq: ev.seq,
@@ -716,6 +722,11 @@ struct KvSender {
     progress: HashMap<u64, Progress>,
     /// The span of a last chunk being written layer by layer, and its bytes so far.
     layer_spans: HashMap<u64, (tracing::Span, u64)>,
+    /// Whether each written run gets a checksum for decode to check.
+    checksum: bool,
+    /// Fault injection (`DUET_FAULT_CORRUPT_KV=N`): corrupt one byte of the first run of the
+    /// next N transfers after writing it, to prove decode's check catches it.
+    corrupt: u32,
 }
 
 #[derive(Default)]
@@ -723,6 +734,7 @@ struct Progress {
     bytes: u64,
     secs: f64,
     error: Option<String>,
+    checksums: Vec<RunChecksum>,
 }
 
 impl KvSender {
@@ -752,6 +764,11 @@ impl KvSender {
                     match self.write(&to, &runs) {
                         Ok(n) => {
                             span.record("bytes", n);
+                            if let Err(error) = self.after_write(&to, &runs) {
+                                self.progress_of(to.attempt).error = Some(error.clone());
+                                let _ = self.done.send(Cmd::SendFailed { seq, error });
+                                continue;
+                            }
                             let p = self.progress_of(to.attempt);
                             p.bytes += n;
                             p.secs += t.elapsed().as_secs_f64();
@@ -818,6 +835,11 @@ impl KvSender {
                                 if let Some((span, b)) = self.layer_spans.remove(&to.attempt) {
                                     span.record("bytes", b);
                                 }
+                                if let Err(error) = self.after_write(&to, &runs) {
+                                    self.progress_of(to.attempt).error = Some(error.clone());
+                                    let _ = self.done.send(Cmd::SendFailed { seq, error });
+                                    continue;
+                                }
                                 self.outbox.send(
                                     &to.node,
                                     WORKER_SERVICE,
@@ -864,6 +886,7 @@ impl KvSender {
                         metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
                     }
                     done.bytes = p.bytes;
+                    done.checksums = p.checksums;
                     drop(fence_span);
                     tracing::info!(
                         parent: &to.span,
@@ -912,6 +935,39 @@ impl KvSender {
                 }
             }
         }
+    }
+
+    /// Once a run's pages are all written: its checksum, and the fault injection if asked.
+    fn after_write(&mut self, to: &Target, runs: &[PageRun]) -> Result<(), String> {
+        let src: Vec<PageId> = runs.iter().flat_map(|r| r.src..r.src + r.n).collect();
+        let dst: Vec<PageId> = runs.iter().flat_map(|r| r.dst..r.dst + r.n).collect();
+        if self.checksum {
+            let crc = duet_transport::pages_crc(&self.memory, &self.layout, &src)
+                .map_err(|e| e.to_string())?;
+            self.progress_of(to.attempt).checksums.push(RunChecksum {
+                pages: dst.clone(),
+                crc,
+            });
+        }
+        if self.corrupt > 0
+            && let (Some(&s), Some(&d)) = (src.first(), dst.first())
+        {
+            self.corrupt -= 1;
+            let at = self.layout.run_bytes(s, 1).start;
+            // SAFETY: the page is pinned at the source (a queued write holds it).
+            #[allow(unsafe_code)]
+            let byte = unsafe { self.memory.slice(at, 1) }.map_err(|e| e.to_string())?[0];
+            let dst_at = self.layout.run_bytes(d, 1).start;
+            tracing::warn!(
+                attempt = to.attempt,
+                page = d,
+                "fault injection: corrupting a KV byte"
+            );
+            self.link(to)?
+                .inject(to.attempt, dst_at, &[byte ^ 0xFF])
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     fn progress_of(&mut self, attempt: u64) -> &mut Progress {

@@ -249,6 +249,18 @@ pub struct TransferDone {
     pub bytes: u64,
     /// Prompt tokens P took from its own prefix cache.
     pub prefill_cached: usize,
+    /// CRC-32 of every run written, over D's pages in the order listed (empty when
+    /// `kv_checksum` is off): D checks them before it publishes.
+    pub checksums: Vec<RunChecksum>,
+}
+
+/// The checksum of the pages one write covered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunChecksum {
+    /// D's pages, in the order hashed.
+    pub pages: Vec<PageId>,
+    /// CRC-32 of their bytes.
+    pub crc: u32,
 }
 
 /// P → D: the prefill failed (its writes, if any, have drained).

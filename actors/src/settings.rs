@@ -42,6 +42,10 @@ pub struct ServingConfig {
     pub kv_transport: KvTransportChoice,
     /// Longest a request waits in prefill's bootstrap queue for decode's pages.
     pub bootstrap_timeout: Duration,
+    /// Longest decode waits for a transfer (notice sent to complete KV).
+    pub transfer_timeout: Duration,
+    /// Checksum every transferred run of pages; decode checks before it publishes.
+    pub kv_checksum: bool,
 }
 
 /// `serving.kv_transport`.
@@ -87,6 +91,8 @@ struct RawServing {
     disagg_threshold: Option<Spanned<u64>>,
     kv_transport: Option<Spanned<String>>,
     bootstrap_timeout_secs: Option<Spanned<u64>>,
+    transfer_timeout_secs: Option<Spanned<u64>>,
+    kv_checksum: Option<bool>,
     #[serde(default)]
     node: std::collections::BTreeMap<String, RawNodeServing>,
 }
@@ -277,6 +283,14 @@ impl ServingConfig {
                 86_400,
                 60,
             )?),
+            transfer_timeout: Duration::from_secs(int(
+                &s.transfer_timeout_secs,
+                "serving.transfer_timeout_secs",
+                1,
+                86_400,
+                120,
+            )?),
+            kv_checksum: s.kv_checksum.unwrap_or(true),
         })
     }
 }

@@ -77,6 +77,10 @@ pub const KV_PAGES_QUARANTINED: &str = "duet_kv_pages_quarantined";
 pub const KV_PAGES_USED: &str = "duet_kv_pages_used";
 /// Aborted transfers, by `side` and `reason`.
 pub const TRANSFER_ABORTS: &str = "duet_transfer_aborts_total";
+/// Transfers whose KV failed decode's checksum (never published).
+pub const KV_CHECKSUM_FAILURES: &str = "duet_kv_checksum_failures_total";
+/// Seconds decode spent checking one transfer's checksums.
+pub const KV_VERIFY: &str = "duet_kv_verify_seconds";
 /// Seconds prefill spent writing one request's KV (all its writes and the final fence).
 pub const TRANSFER_WRITE: &str = "duet_transfer_write_seconds";
 /// KV bytes written by prefill, by `backend`.
@@ -131,6 +135,8 @@ pub const ALL: &[&str] = &[
     KV_PAGES_QUARANTINED,
     KV_PAGES_USED,
     TRANSFER_ABORTS,
+    KV_CHECKSUM_FAILURES,
+    KV_VERIFY,
 ];
 
 /// Histogram buckets for latencies, in seconds (sub-millisecond transfers to minute-long

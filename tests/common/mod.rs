@@ -147,8 +147,14 @@ pub struct Running {
 impl Running {
     /// Starts `duet ARGS` and waits (with a deadline) for a stdout line starting with `marker`.
     pub async fn start(args: &[&str], marker: &str) -> Running {
+        Running::start_env(args, marker, &[]).await
+    }
+
+    /// [`Running::start`] with extra environment variables (fault injection hooks).
+    pub async fn start_env(args: &[&str], marker: &str, env: &[(&str, &str)]) -> Running {
         let mut child = Command::new(duet_bin())
             .args(args)
+            .envs(env.iter().copied())
             .env("DUET_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

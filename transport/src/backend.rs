@@ -185,6 +185,34 @@ pub trait KvTransport: Send {
 
     /// Returns once every earlier write has landed in the destination.
     fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError>;
+
+    /// Writes `bytes` at `dst` of the destination: fault injection only (a corrupted run, to
+    /// prove decode's checksum catches it).
+    fn inject(
+        &mut self,
+        attempt: AttemptKey,
+        dst: usize,
+        bytes: &[u8],
+    ) -> Result<(), TransportError>;
+}
+
+/// CRC-32 of whole pages of a pool, in the order given (what prefill sends and decode checks
+/// before it publishes a transfer).
+pub fn pages_crc(
+    memory: &PoolMemory,
+    layout: &KvLayout,
+    pages: &[PageId],
+) -> Result<u32, TransportError> {
+    let mut h = crc32fast::Hasher::new();
+    for r in coalesce(pages.iter().map(|&p| (p, p))) {
+        let range = layout.run_bytes(r.src, r.n as usize);
+        // SAFETY: the caller holds the pages (source pins on prefill; on decode, a completed
+        // attempt's pages that nothing writes any more).
+        #[allow(unsafe_code)]
+        let bytes = unsafe { memory.slice(range.start, range.len())? };
+        h.update(bytes);
+    }
+    Ok(h.finalize())
 }
 
 /// Connects to `endpoint` with `backend`.
@@ -262,6 +290,13 @@ impl KvTransport for LocalTransport {
     fn fence(&mut self, _attempt: AttemptKey) -> Result<(), TransportError> {
         Ok(()) // copies are synchronous
     }
+
+    #[allow(unsafe_code)]
+    fn inject(&mut self, _: AttemptKey, dst: usize, bytes: &[u8]) -> Result<(), TransportError> {
+        // SAFETY: fault injection into a granted destination range, like a write.
+        unsafe { self.dst.slice_mut(dst, bytes.len())? }.copy_from_slice(bytes);
+        Ok(())
+    }
 }
 
 /// Same host: into the decode pool's shared-memory region.
@@ -297,6 +332,10 @@ impl KvTransport for ShmTransport {
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
+
+    fn inject(&mut self, _: AttemptKey, dst: usize, bytes: &[u8]) -> Result<(), TransportError> {
+        Ok(self.dst.write(dst, bytes)?)
+    }
 }
 
 /// Any host: framed runs over one connection.
@@ -328,6 +367,15 @@ impl KvTransport for TcpTransport {
 
     fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError> {
         Ok(self.sender.fence(attempt)?)
+    }
+
+    fn inject(
+        &mut self,
+        attempt: AttemptKey,
+        dst: usize,
+        bytes: &[u8],
+    ) -> Result<(), TransportError> {
+        Ok(self.sender.write(attempt, dst as u64, bytes)?)
     }
 }
 

@@ -18,7 +18,7 @@ pub mod tcp;
 
 pub use backend::{
     Backend, ByteCopy, Endpoint, Grants, KvTransport, LocalRegistration, PageRun, TcpReceiver,
-    TransportError, coalesce, connect, host_id, layer_copies, run_copies,
+    TransportError, coalesce, connect, host_id, layer_copies, pages_crc, run_copies,
 };
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,

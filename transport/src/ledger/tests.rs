@@ -115,7 +115,7 @@ enum Oracle {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(10_000))]
+    #![proptest_config(ProptestConfig::with_cases(100_000))]
 
     /// Duplicate completions and cancellations, delayed drains, old-attempt callbacks after
     /// room reuse and allocation failures, in any order: a page a write may still touch is
