@@ -13,7 +13,7 @@ use serde_json::json;
 /// How long a CLI call waits for one node.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn load(config: &Path) -> Result<(ClusterConfig, String), ExitCode> {
+pub(crate) fn load(config: &Path) -> Result<(ClusterConfig, String), ExitCode> {
     let config = ClusterConfig::load(config).map_err(|e| {
         eprintln!("error: {e}");
         ExitCode::from(2)

@@ -8,6 +8,7 @@
 
 mod admin_cli;
 mod bench;
+mod chaos;
 mod generate;
 mod up;
 
@@ -92,6 +93,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Load-test a router (streaming OpenAI API), or run an experiment (`--experiment`).
     Bench(bench::BenchArgs),
+    /// Load a running cluster while killing a random serving actor at an interval; report.
+    Chaos(chaos::ChaosArgs),
     /// Write a tiny random-weight GGUF of the same architecture (for fast tests).
     TinyModel {
         /// Output file.
@@ -134,6 +137,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
         Command::Credentials { config } => credentials(&config),
         Command::Bench(args) => bench::run(args).await,
+        Command::Chaos(args) => chaos::run(args).await,
         Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
             ExitCode::SUCCESS
         }

@@ -243,7 +243,10 @@ impl Actor for Supervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         let (cell, reason) = match event {
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+            SupervisionEvent::ActorTerminated(cell, old_state, reason) => {
+                // The dead incarnation's state (ports it listened on, threads it ran) is
+                // released before a successor starts, so the successor finds them free.
+                drop(old_state);
                 (cell, reason.unwrap_or_else(|| "exited".to_string()))
             }
             SupervisionEvent::ActorFailed(cell, err) => (cell, format!("failed: {err}")),

@@ -126,6 +126,9 @@ async fn run(
                     continue; // the usage chunk
                 }
                 rec.tokens += 1;
+                if let Some(t) = v["choices"][0]["text"].as_str() {
+                    rec.text.push_str(t);
+                }
                 match last {
                     None => rec.ttft_s = Some(now.duration_since(sent).as_secs_f64()),
                     Some(prev) => rec.itl.push((

@@ -9,7 +9,7 @@
 //!   ([`experiment`]), with `--plots DIR`;
 //! - `--experiment transfer`: the KV transfer micro-benchmark.
 
-mod client;
+pub(crate) mod client;
 mod experiment;
 mod plots;
 pub mod stats;
@@ -147,7 +147,7 @@ fn parse_url(url: &str) -> Result<SocketAddr, String> {
 }
 
 /// Random prompt token ids (inside every vocabulary Duet ships, the tiny model's too).
-fn prompt(rng: &mut StdRng, n: usize) -> Vec<u32> {
+pub(crate) fn prompt(rng: &mut StdRng, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(20..250)).collect()
 }
 

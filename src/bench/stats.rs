@@ -23,6 +23,9 @@ pub struct RequestRecord {
     pub error: Option<String>,
     /// Which part of the workload it belongs to (`steady`, `long`, `load`).
     pub class: &'static str,
+    /// The text received.
+    #[serde(skip)]
+    pub text: String,
 }
 
 /// The `q`-quantile (0..=1) of `values` by the nearest-rank method; `None` when empty.

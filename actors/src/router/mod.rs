@@ -50,6 +50,8 @@ pub struct RouterShared {
     workers: Mutex<HashMap<String, (LoadReport, Instant)>>,
     pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
+    /// Set when this incarnation's actor is gone: nothing would deliver to it any more.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 struct Pending {
@@ -157,6 +159,9 @@ impl RouterShared {
         exclude: &[String],
         forced: Option<&str>,
     ) -> Result<Started, String> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err("router: the router actor restarted".to_string());
+        }
         let (worker, prefill) = self.route(prompt.len(), exclude, forced)?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
@@ -345,6 +350,18 @@ pub struct RouterState {
 impl Drop for RouterState {
     fn drop(&mut self) {
         self.server.abort();
+        self.shared.closed.store(true, Ordering::SeqCst);
+        // Streams already open keep running on their connections, but nothing will deliver
+        // to this incarnation any more: end them now, with the cause, instead of at their
+        // deadline (their requests are cancelled on the workers).
+        let lost: Vec<(u64, Pending)> = self.shared.lock_pending().drain().collect();
+        for (request, p) in lost {
+            let _ = p.tx.send(TokenItem::failed(
+                request,
+                "router: the router actor restarted".to_string(),
+            ));
+            self.shared.send_cancel(p.worker, request);
+        }
     }
 }
 
@@ -373,9 +390,23 @@ impl Actor for RouterActor {
             Ok::<_, String>((tok, chat, ctx_len))
         })
         .await??;
-        let listener = tokio::net::TcpListener::bind(settings.http)
-            .await
-            .map_err(|e| format!("cannot bind the HTTP address {}: {e}", settings.http))?;
+        // A predecessor's server (killed a moment ago) may still be closing its socket.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let listener = loop {
+            match tokio::net::TcpListener::bind(settings.http).await {
+                Ok(l) => break l,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => {
+                    return Err(
+                        format!("cannot bind the HTTP address {}: {e}", settings.http).into(),
+                    );
+                }
+            }
+        };
         let shared = Arc::new(RouterShared {
             ctx: ctx.clone(),
             settings,
@@ -385,6 +416,7 @@ impl Actor for RouterActor {
             workers: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let app = http::app(shared.clone());
         let server = tokio::spawn(async move {

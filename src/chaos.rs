@@ -1,0 +1,336 @@
+//! `duet chaos`: load through the router while a random serving actor is killed at an
+//! interval, then a report of what the cluster did with every request.
+//!
+//! Each request is a greedy completion of one of a few fixed prompts whose output the engine
+//! computes in this process first (what `duet generate` prints), so an answer that differs is
+//! counted as corrupted. After the load the command waits for the cluster to go quiet and counts
+//! the pages that did not come back (pinned, quarantined, or neither free nor cached).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_actors::settings::ServingConfig;
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
+use duet_runtime::admin::client::{self, Method};
+use duet_runtime::config::Role;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+use crate::bench::client::{Ask, stream_completion};
+
+/// `duet chaos` arguments.
+#[derive(Debug, clap::Args)]
+pub struct ChaosArgs {
+    /// The cluster file (the cluster must be running).
+    #[arg(long, default_value = "cluster.toml")]
+    pub config: PathBuf,
+    /// Seconds of load.
+    #[arg(long, default_value_t = 60.0)]
+    pub duration: f64,
+    /// Seconds between kills.
+    #[arg(long, default_value_t = 2.0)]
+    pub kill_every: f64,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Seed of the prompts and the kills.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A request that got no answer within this is counted unfinished.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Runs `duet chaos`.
+pub async fn run(args: ChaosArgs) -> ExitCode {
+    match chaos(&args).await {
+        Ok(report) => {
+            if args.json {
+                println!("{report}");
+            } else {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).unwrap_or_default()
+                );
+            }
+            let bad = ["unfinished", "corrupted", "stranded_pages"]
+                .iter()
+                .any(|k| report[k].as_u64() != Some(0));
+            if bad {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("error: chaos: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The serving actors of a node, by the paths `duet kill` takes.
+fn targets(config: &duet_runtime::config::ClusterConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    for n in &config.nodes {
+        match n.role {
+            Role::Router => out.push(format!("{}/router/router", n.name)),
+            Role::Prefill => {
+                out.push(format!("{}/prefill/bootstrap", n.name));
+                out.push(format!("{}/prefill/worker", n.name));
+            }
+            Role::Decode => out.push(format!("{}/decode/worker", n.name)),
+        }
+    }
+    out
+}
+
+async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
+    let (config, token) =
+        crate::admin_cli::load(&args.config).map_err(|_| "cannot load the cluster".to_string())?;
+    let serving = ServingConfig::from_cluster(&config).map_err(|e| e.to_string())?;
+    // The reference: greedy outputs of a few prompts, from the engine in this process.
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let prompts: Vec<Vec<u32>> = [12usize, 40, 90, 200, 300]
+        .iter()
+        .map(|&n| crate::bench::prompt(&mut rng, n))
+        .collect();
+    let expected = {
+        let (s, prompts, max_tokens) = (serving.clone(), prompts.clone(), args.max_tokens);
+        tokio::task::spawn_blocking(move || reference(&s, &prompts, max_tokens))
+            .await
+            .map_err(|e| e.to_string())??
+    };
+    let addr = serving.http;
+    let epoch = Instant::now();
+    let end = epoch + Duration::from_secs_f64(args.duration);
+    let outcomes = Arc::new(Mutex::new(Vec::<Outcome>::new()));
+    let mut workers = Vec::new();
+    for w in 0..args.concurrency.max(1) {
+        let (outcomes, prompts, expected) = (outcomes.clone(), prompts.clone(), expected.clone());
+        let max_tokens = args.max_tokens;
+        let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(100 + w as u64));
+        workers.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                let i = rng.random_range(0..prompts.len());
+                let ask = Ask {
+                    prompt: prompts[i].clone(),
+                    max_tokens,
+                    class: "chaos",
+                    until: None,
+                };
+                let outcome = match tokio::time::timeout(
+                    REQUEST_DEADLINE,
+                    stream_completion(addr, &ask, epoch),
+                )
+                .await
+                {
+                    Err(_) => Outcome::Unfinished,
+                    Ok(r) => match r.error {
+                        Some(e) => Outcome::Failed(phase_of(&e)),
+                        None if r.text == expected[i] => Outcome::Succeeded,
+                        None => Outcome::Corrupted,
+                    },
+                };
+                if matches!(outcome, Outcome::Failed(_)) {
+                    // A worker restarting: give it a moment instead of spinning on errors.
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                outcomes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(outcome);
+            }
+        }));
+    }
+    // The killer.
+    let targets = targets(&config);
+    let mut kills: BTreeMap<String, u64> = BTreeMap::new();
+    let mut next = epoch + Duration::from_secs_f64(args.kill_every);
+    while next < end {
+        tokio::time::sleep_until(next.into()).await;
+        let path = &targets[rng.random_range(0..targets.len())];
+        let node = path.split('/').next().unwrap_or_default();
+        if let Some(n) = config.node(node) {
+            let killed = client::call(
+                n.admin,
+                &token,
+                Method::POST,
+                "/v1/actors/kill",
+                Some(json!({ "path": path })),
+                Duration::from_secs(5),
+            )
+            .await;
+            if killed.is_ok() {
+                let kind = path.rsplit('/').next().unwrap_or_default().to_string();
+                *kills.entry(kind).or_default() += 1;
+            }
+        }
+        next += Duration::from_secs_f64(args.kill_every);
+    }
+    for w in workers {
+        let _ = w.await;
+    }
+    let load_seconds = epoch.elapsed().as_secs_f64();
+    // Quiet: every pool whole on every worker, or the deadline.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let stranded = loop {
+        let stranded = stranded_pages(&config, &token).await;
+        if stranded == Some(0) || Instant::now() > deadline {
+            break stranded;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let mut restarts: BTreeMap<String, f64> = BTreeMap::new();
+    for n in &config.nodes {
+        if let Ok(text) = client::metrics_text(n.admin, &token, Duration::from_secs(3)).await {
+            for line in text
+                .lines()
+                .filter(|l| l.starts_with("duet_actor_restarts_total{"))
+            {
+                let kind = line
+                    .split("kind=\"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+                    .unwrap_or("?")
+                    .to_string();
+                let v: f64 = line
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0);
+                *restarts.entry(kind).or_default() += v;
+            }
+        }
+    }
+    let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let count = |f: &dyn Fn(&Outcome) -> bool| outcomes.iter().filter(|o| f(o)).count();
+    let mut by_phase: BTreeMap<String, usize> = BTreeMap::new();
+    for o in &outcomes {
+        if let Outcome::Failed(p) = o {
+            *by_phase.entry(p.clone()).or_default() += 1;
+        }
+    }
+    let requests = outcomes.len();
+    let succeeded = count(&|o| matches!(o, Outcome::Succeeded));
+    Ok(json!({
+        "requests": requests,
+        "succeeded": succeeded,
+        "failed": count(&|o| matches!(o, Outcome::Failed(_))),
+        "unfinished": count(&|o| matches!(o, Outcome::Unfinished)),
+        "corrupted": count(&|o| matches!(o, Outcome::Corrupted)),
+        "stranded_pages": stranded.map_or(-1, |s| s as i64),
+        "success_rate": if requests > 0 { succeeded as f64 / requests as f64 } else { 0.0 },
+        "failed_by_phase": by_phase,
+        "kills": kills,
+        "restarts_by_kind": restarts,
+        "load_seconds": load_seconds,
+    }))
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Succeeded,
+    Failed(String),
+    Unfinished,
+    Corrupted,
+}
+
+/// The phase an error names: its text up to the first colon (`decode transfer`, `HTTP 503`...).
+fn phase_of(error: &str) -> String {
+    // The router's errors arrive inside an HTTP or SSE wrapper; the phase is in its message.
+    let message = error
+        .split("\"message\":\"")
+        .nth(1)
+        .unwrap_or(error)
+        .to_string();
+    message
+        .split([':', '"'])
+        .next()
+        .unwrap_or("unknown")
+        .trim()
+        .chars()
+        .take(60)
+        .collect()
+}
+
+/// Pages not back in their pools, over every worker; `None` if a node did not answer.
+async fn stranded_pages(config: &duet_runtime::config::ClusterConfig, token: &str) -> Option<u64> {
+    let mut stranded = 0.0;
+    for n in config.nodes.iter().filter(|n| n.role != Role::Router) {
+        let text = client::metrics_text(n.admin, token, Duration::from_secs(3))
+            .await
+            .ok()?;
+        let get = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.split([' ', '{']).next() == Some(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        let (total, free, cached) = (
+            get("duet_kv_pages_total"),
+            get("duet_kv_pages_free"),
+            get("duet_kv_pages_cached"),
+        );
+        if total == 0.0 {
+            return None; // not reported yet (restarting)
+        }
+        stranded += (total - free - cached).max(0.0)
+            + get("duet_kv_pages_pinned")
+            + get("duet_kv_pages_quarantined");
+    }
+    Some(stranded as u64)
+}
+
+/// What the engine alone answers for each prompt, greedily.
+fn reference(
+    s: &ServingConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Result<Vec<String>, String> {
+    let path =
+        duet_engine::fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?;
+    let model = Model::open(&path).map_err(|e| e.to_string())?;
+    let max_context = model.config.context_length;
+    let engine = Engine::new(
+        model,
+        EngineOptions {
+            kv_dtype: s.kv_dtype,
+            page_size: s.page_size,
+            kv_pages: 256,
+            threads: 1,
+            max_context,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut runner = Runner::new(engine, s.max_batch_tokens, 8);
+    let params = SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    prompts
+        .iter()
+        .map(|p| {
+            runner
+                .submit(1, p.clone(), params.clone())
+                .map_err(|e| e.to_string())?;
+            Ok(runner
+                .run_to_completion()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|e| e.text)
+                .collect())
+        })
+        .collect()
+}
