@@ -45,18 +45,7 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
     );
     let _up = Running::up(&c.config).await;
     let token = c.token();
-    poll("workers ready", Duration::from_secs(120), || async {
-        let out = tokio::process::Command::new("curl")
-            .args(["-s", "--max-time", "2"])
-            .arg(format!("http://127.0.0.1:{http}/ready"))
-            .output()
-            .await
-            .ok()?;
-        String::from_utf8_lossy(&out.stdout)
-            .contains("\"workers\":2")
-            .then_some(())
-    })
-    .await;
+    router_ready(http, 2).await;
     for p in prompts {
         let body = json!({"prompt": p, "max_tokens": 1, "temperature": 0});
         let out = tokio::process::Command::new("curl")

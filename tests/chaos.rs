@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use common::*;
 use duet_engine::fetch;
@@ -29,18 +28,7 @@ async fn chaos_under_load_loses_nothing() {
         &extra,
     );
     let _up = Running::up(&c.config).await;
-    poll("workers ready", Duration::from_secs(120), || async {
-        let out = tokio::process::Command::new("curl")
-            .args(["-s", "--max-time", "2"])
-            .arg(format!("http://127.0.0.1:{http}/ready"))
-            .output()
-            .await
-            .ok()?;
-        String::from_utf8_lossy(&out.stdout)
-            .contains("\"workers\":2")
-            .then_some(())
-    })
-    .await;
+    router_ready(http, 2).await;
     let out = duet(&[
         "chaos",
         "--config",

@@ -99,22 +99,7 @@ fn text_of(v: &Value) -> String {
 }
 
 async fn ready(http: u16) {
-    poll(
-        "prefill and decode ready",
-        Duration::from_secs(120),
-        || async {
-            let out = tokio::process::Command::new("curl")
-                .args(["-s", "--max-time", "2"])
-                .arg(format!("http://127.0.0.1:{http}/ready"))
-                .output()
-                .await
-                .ok()?;
-            String::from_utf8_lossy(&out.stdout)
-                .contains("\"workers\":2")
-                .then_some(())
-        },
-    )
-    .await;
+    router_ready(http, 2).await;
 }
 
 /// Pools are whole when quiet: no pins, and every page free or held only by the prefix cache

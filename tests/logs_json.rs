@@ -39,22 +39,7 @@ async fn json_log_lines_carry_the_request() {
         });
     }
     let http = c.http;
-    poll(
-        "the decode worker ready",
-        Duration::from_secs(60),
-        || async {
-            let out = tokio::process::Command::new("curl")
-                .args(["-s", "--max-time", "2"])
-                .arg(format!("http://127.0.0.1:{http}/ready"))
-                .output()
-                .await
-                .ok()?;
-            String::from_utf8_lossy(&out.stdout)
-                .contains("\"workers\":1")
-                .then_some(())
-        },
-    )
-    .await;
+    router_ready(http, 1).await;
     let out = tokio::process::Command::new("curl")
         .args([
             "-s",

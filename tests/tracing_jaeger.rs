@@ -160,18 +160,7 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
         &extra,
     );
     let _up = Running::up(&c.config).await;
-    poll("workers ready", Duration::from_secs(120), || async {
-        let out = tokio::process::Command::new("curl")
-            .args(["-s", "--max-time", "2"])
-            .arg(format!("http://127.0.0.1:{http}/ready"))
-            .output()
-            .await
-            .ok()?;
-        String::from_utf8_lossy(&out.stdout)
-            .contains("\"workers\":2")
-            .then_some(())
-    })
-    .await;
+    router_ready(http, 2).await;
     // A client's own trace continues into Duet: its traceparent names the trace.
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let client_span = "00f067aa0ba902b7";

@@ -197,21 +197,13 @@ impl Actor for DecodeWorker {
             tcp: receiver.as_ref().map(TcpReceiver::endpoint),
         };
         let node = ctx.me.name.clone();
-        let load = Arc::new(Mutex::new(LoadReport {
-            worker: node.clone(),
-            kind: WorkerKind::Decode,
-            layout: layout.clone(),
-            bootstrap_queue: 0,
+        let load = Arc::new(Mutex::new(LoadReport::idle(
+            node.clone(),
+            WorkerKind::Decode,
+            layout.clone(),
             incarnation,
-            queued_tokens: 0,
-            waiting: 0,
-            running: 0,
-            free_pages: runner.engine.pool.alloc.free_pages(),
-            total_pages: runner.engine.pool.capacity(),
-            pinned_pages: 0,
-            cached_pages: 0,
-            quarantined_pages: 0,
-        }));
+            runner.engine.pool.capacity(),
+        )));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);

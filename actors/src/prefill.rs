@@ -115,21 +115,13 @@ impl Actor for PrefillWorker {
         let layout = layout_info(&runner.engine.model, runner.engine.options());
         let incarnation: u64 = rand::rng().random();
         let node = ctx.me.name.clone();
-        let load = Arc::new(Mutex::new(LoadReport {
-            worker: node.clone(),
-            kind: WorkerKind::Prefill,
-            layout: layout.clone(),
-            bootstrap_queue: 0,
+        let load = Arc::new(Mutex::new(LoadReport::idle(
+            node.clone(),
+            WorkerKind::Prefill,
+            layout.clone(),
             incarnation,
-            queued_tokens: 0,
-            waiting: 0,
-            running: 0,
-            free_pages: runner.engine.pool.alloc.free_pages(),
-            total_pages: runner.engine.pool.capacity(),
-            pinned_pages: 0,
-            cached_pages: 0,
-            quarantined_pages: 0,
-        }));
+            runner.engine.pool.capacity(),
+        )));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);

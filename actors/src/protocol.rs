@@ -353,6 +353,33 @@ pub struct TokenBatch {
     pub items: Vec<TokenItem>,
 }
 
+impl LoadReport {
+    /// An idle worker's report.
+    pub fn idle(
+        worker: String,
+        kind: WorkerKind,
+        layout: LayoutInfo,
+        incarnation: u64,
+        total_pages: usize,
+    ) -> LoadReport {
+        LoadReport {
+            worker,
+            kind,
+            layout,
+            bootstrap_queue: 0,
+            incarnation,
+            queued_tokens: 0,
+            waiting: 0,
+            running: 0,
+            free_pages: total_pages,
+            total_pages,
+            pinned_pages: 0,
+            cached_pages: 0,
+            quarantined_pages: 0,
+        }
+    }
+}
+
 /// Which half of the pair a worker is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

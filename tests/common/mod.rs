@@ -301,3 +301,20 @@ pub fn find<'a>(tree: &'a Value, path: &str) -> Option<&'a Value> {
     }
     tree.as_array()?.iter().find_map(|n| walk(&n["root"], path))
 }
+
+/// Waits (with a deadline) until the router on `http` reports `workers` ready workers.
+pub async fn router_ready(http: u16, workers: usize) {
+    let want = format!("\"workers\":{workers}");
+    poll("the workers ready", Duration::from_secs(120), || async {
+        let out = tokio::process::Command::new("curl")
+            .args(["-s", "--max-time", "2"])
+            .arg(format!("http://127.0.0.1:{http}/ready"))
+            .output()
+            .await
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&want)
+            .then_some(())
+    })
+    .await;
+}
