@@ -560,28 +560,10 @@ impl PrefillCore {
         // left once it ends is one layer's copy and the fence. Its pages are pinned first.
         let mut finals: Vec<(u64, Target, Arc<Vec<PageRun>>, usize)> = Vec::new();
         for it in plan.items.iter().filter(|it| it.sample) {
-            let Some(f) = self.flights.get_mut(&it.seq) else {
-                continue;
-            };
-            let Some(pages) = self.runner.scheduler.pages(it.seq) else {
-                continue;
-            };
             let upto = (it.start + it.len).div_ceil(ps);
-            if f.aborted || upto <= f.next_page || pages.len() < upto {
-                continue;
+            if let Some((to, runs, pages_so_far)) = self.claim_pages(it.seq, upto) {
+                finals.push((it.seq, to, Arc::new(runs), pages_so_far));
             }
-            let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
-            let dst = &f.start.notice.pages[f.next_page - f.skip..upto - f.skip];
-            let runs = coalesce(src.iter().copied().zip(dst.iter().copied()));
-            if let Err(e) = self
-                .ledger
-                .extend(f.key, &src, &mut self.runner.engine.pool.alloc)
-            {
-                tracing::error!(error = %e, "cannot pin source pages");
-                continue;
-            }
-            f.next_page = upto;
-            finals.push((it.seq, Self::target(f), Arc::new(runs), upto - f.skip));
         }
         let logits = {
             let chunks = self.runner.scheduler.chunks(&plan);
@@ -608,38 +590,17 @@ impl PrefillCore {
         metrics::counter!(m::PREFILL_CHUNKS).increment(plan.items.len() as u64);
         // Ship the pages this step filled, before commit may end the sequence (the pins keep
         // them from reuse until the sender has read them).
-        for it in &plan.items {
-            let Some(f) = self.flights.get_mut(&it.seq) else {
-                continue;
-            };
-            let Some(pages) = self.runner.scheduler.pages(it.seq) else {
-                continue;
-            };
-            let upto = if it.sample {
-                (it.start + it.len).div_ceil(ps)
-            } else {
-                (it.start + it.len) / ps
-            };
-            if upto <= f.next_page || f.aborted {
-                continue;
+        for it in plan.items.iter().filter(|it| !it.sample) {
+            // Only full pages: the partial last one is rewritten by the next chunk.
+            let upto = (it.start + it.len) / ps;
+            if let Some((to, runs, pages_so_far)) = self.claim_pages(it.seq, upto) {
+                let _ = self.jobs.send(Job::Write {
+                    seq: it.seq,
+                    to,
+                    runs,
+                    pages_so_far,
+                });
             }
-            let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
-            let dst = &f.start.notice.pages[f.next_page - f.skip..upto - f.skip];
-            let runs = coalesce(src.iter().copied().zip(dst.iter().copied()));
-            if let Err(e) = self
-                .ledger
-                .extend(f.key, &src, &mut self.runner.engine.pool.alloc)
-            {
-                tracing::error!(error = %e, "cannot pin source pages");
-                continue;
-            }
-            f.next_page = upto;
-            let _ = self.jobs.send(Job::Write {
-                seq: it.seq,
-                to: Self::target(f),
-                runs,
-                pages_so_far: upto - f.skip,
-            });
         }
         let tok = &self.runner.engine.model.tokenizer;
         let events = match self.runner.scheduler.commit(
@@ -677,6 +638,29 @@ impl PrefillCore {
                 compute_end,
             });
         }
+    }
+
+    /// The next pages of `seq` up to page index `upto`, pinned at the source and paired with
+    /// decode's pages: where they go, as runs, and how many of decode's pages they fill then.
+    /// `None` when there is nothing new to send (or the flight was aborted).
+    fn claim_pages(&mut self, seq: u64, upto: usize) -> Option<(Target, Vec<PageRun>, usize)> {
+        let f = self.flights.get_mut(&seq)?;
+        let pages = self.runner.scheduler.pages(seq)?;
+        if f.aborted || upto <= f.next_page || pages.len() < upto {
+            return None;
+        }
+        let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
+        let dst = &f.start.notice.pages[f.next_page - f.skip..upto - f.skip];
+        let runs = coalesce(src.iter().copied().zip(dst.iter().copied()));
+        if let Err(e) = self
+            .ledger
+            .extend(f.key, &src, &mut self.runner.engine.pool.alloc)
+        {
+            tracing::error!(error = %e, "cannot pin source pages");
+            return None;
+        }
+        f.next_page = upto;
+        Some((Self::target(f), runs, upto - f.skip))
     }
 
     fn fail_all(&mut self, error: String) {
