@@ -220,6 +220,8 @@ impl Actor for DecodeWorker {
                 threshold: settings.disagg_threshold,
                 transfer_timeout: settings.transfer_timeout,
                 checksum: settings.kv_checksum,
+                drain_fence: settings.drain_fence,
+                forced_drain: settings.drain_backstop,
                 max_running: settings.max_running,
                 next_seq: 0,
                 owners: HashMap::new(),
@@ -491,6 +493,10 @@ struct DecodeCore {
     transfer_timeout: Duration,
     /// Check prefill's checksums before publishing.
     checksum: bool,
+    /// How long an abort may go unacknowledged before decode asks again (drain fence).
+    drain_fence: Duration,
+    /// How long an abort may go unacknowledged before the prefill side is treated as gone.
+    forced_drain: Duration,
     max_running: usize,
     next_seq: u64,
     /// Local sequence id -> (router, router's request id), and back.
@@ -511,12 +517,6 @@ struct DecodeCore {
     /// Sequences whose first token was already reported (as a span event).
     first_tokens: HashSet<u64>,
 }
-
-/// How long an abort may go unacknowledged before decode asks again with a drain fence.
-const DRAIN_BACKSTOP: Duration = Duration::from_secs(2);
-
-/// How long an abort may go unacknowledged before the prefill side is treated as gone.
-const FORCED_DRAIN: Duration = Duration::from_secs(60);
 
 impl DecodeCore {
     fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
@@ -1141,13 +1141,16 @@ impl DecodeCore {
         let now = self.now_ms();
         // A drain nobody acknowledged for this long: the peer is treated as gone (logged and
         // counted; issue-level faults tests hold this path).
-        for (attempt, node) in self.ledger.overdue(now, FORCED_DRAIN.as_millis() as u64) {
+        for (attempt, node) in self
+            .ledger
+            .overdue(now, self.forced_drain.as_millis() as u64)
+        {
             tracing::error!(%node, attempt, "abort unacknowledged past the forced backstop: endpoint destroyed");
             metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "forced_drain")
                 .increment(1);
             self.peer_gone(&node, "abort never acknowledged", items);
         }
-        let backstop = DRAIN_BACKSTOP.as_millis() as u64;
+        let backstop = self.drain_fence.as_millis() as u64;
         if now.saturating_sub(self.last_fence_ms) >= backstop {
             self.last_fence_ms = now;
             for (attempt, _) in self.ledger.overdue(now, backstop) {

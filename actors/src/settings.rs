@@ -46,6 +46,10 @@ pub struct ServingConfig {
     pub transfer_timeout: Duration,
     /// Checksum every transferred run of pages; decode checks before it publishes.
     pub kv_checksum: bool,
+    /// An abort unacknowledged this long is asked again with a drain fence.
+    pub drain_fence: Duration,
+    /// An abort unacknowledged this long: the prefill side is treated as gone (its pins drop).
+    pub drain_backstop: Duration,
 }
 
 /// `serving.kv_transport`.
@@ -93,6 +97,8 @@ struct RawServing {
     bootstrap_timeout_secs: Option<Spanned<u64>>,
     transfer_timeout_secs: Option<Spanned<u64>>,
     kv_checksum: Option<bool>,
+    drain_fence_secs: Option<Spanned<u64>>,
+    drain_backstop_secs: Option<Spanned<u64>>,
     #[serde(default)]
     node: std::collections::BTreeMap<String, RawNodeServing>,
 }
@@ -291,6 +297,69 @@ impl ServingConfig {
                 120,
             )?),
             kv_checksum: s.kv_checksum.unwrap_or(true),
+            drain_fence: Duration::from_secs(int(
+                &s.drain_fence_secs,
+                "serving.drain_fence_secs",
+                1,
+                3_600,
+                2,
+            )?),
+            drain_backstop: Duration::from_secs(int(
+                &s.drain_backstop_secs,
+                "serving.drain_backstop_secs",
+                1,
+                86_400,
+                60,
+            )?),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const NODES: &str = "[[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:7100\"\n\
+                         [[node]]\nname = \"p0\"\nrole = \"prefill\"\naddress = \"127.0.0.1:7101\"\n";
+
+    fn read(serving: &str, node: &str) -> Result<ServingConfig, ConfigError> {
+        let text = format!("{serving}\n{NODES}");
+        let c = ClusterConfig::parse(&text, Path::new("/x/cluster.toml")).expect("cluster");
+        ServingConfig::for_node(&c, node)
+    }
+
+    #[test]
+    fn defaults_and_node_overrides() {
+        let s = read("[serving]\n", "p0").expect("defaults");
+        assert_eq!(s.disagg_threshold, 32);
+        assert_eq!(s.kv_transport, KvTransportChoice::Auto);
+        assert!(s.kv_checksum);
+        assert_eq!(
+            (s.drain_fence, s.drain_backstop),
+            (Duration::from_secs(2), Duration::from_secs(60))
+        );
+        let text = "[serving]\npage_size = 16\n[serving.node.p0]\npage_size = 32\nthreads = 2\n";
+        assert_eq!(read(text, "p0").expect("p0").page_size, 32);
+        assert_eq!(read(text, "router").expect("router").page_size, 16);
+        assert_eq!(
+            KvTransportChoice::Auto.pick("a", "a"),
+            Backend::Shm,
+            "same host"
+        );
+        assert_eq!(KvTransportChoice::Auto.pick("a", "b"), Backend::Tcp);
+    }
+
+    #[test]
+    fn errors_name_the_line_and_the_key() {
+        let e = read("[serving]\nkv_transport = \"rdma\"\n", "p0").expect_err("bad transport");
+        assert_eq!((e.line, e.key.as_str()), (2, "serving.kv_transport"));
+        assert!(e.message.contains("\"shm\""), "{e}");
+        let e = read("[serving]\n\ndrain_backstop_secs = 0\n", "p0").expect_err("range");
+        assert_eq!((e.line, e.key.as_str()), (3, "serving.drain_backstop_secs"));
+        let e = read("[serving.node.q9]\nthreads = 2\n", "p0").expect_err("unknown node");
+        assert_eq!(e.key, "serving.node.q9");
+        assert!(e.message.contains("no node `q9`"), "{e}");
     }
 }
