@@ -672,6 +672,19 @@ impl DecodeCore {
         }
     }
 
+    /// Removes and returns the transfers with prefill node `node`.
+    fn take_transfers(&mut self, node: &str) -> Vec<Transfer> {
+        let keys: Vec<(String, u64)> = self
+            .transfers
+            .keys()
+            .filter(|(n, _)| n == node)
+            .cloned()
+            .collect();
+        keys.iter()
+            .filter_map(|k| self.transfers.remove(k))
+            .collect()
+    }
+
     fn take_prealloc(&mut self, pred: impl Fn(&Prealloc) -> bool) -> VecDeque<Prealloc> {
         let (taken, kept) = std::mem::take(&mut self.prealloc)
             .into_iter()
@@ -1068,21 +1081,13 @@ impl DecodeCore {
     /// restart is seen, or the forced backstop passes.
     fn peer_down(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
         self.ready.remove(node);
-        let lost: Vec<(String, u64)> = self
-            .transfers
-            .keys()
-            .filter(|(n, _)| n == node)
-            .cloned()
-            .collect();
-        for k in lost {
-            if let Some(t) = self.transfers.remove(&k) {
-                self.end_transfer(&t, AbortReason::ProducerFailure, false);
-                self.fail(
-                    t.seq,
-                    format!("decode transfer: prefill {node} unreachable: {why}"),
-                    items,
-                );
-            }
+        for t in self.take_transfers(node) {
+            self.end_transfer(&t, AbortReason::ProducerFailure, false);
+            self.fail(
+                t.seq,
+                format!("decode transfer: prefill {node} unreachable: {why}"),
+                items,
+            );
         }
         for p in self.take_prealloc(|p| p.peer.node == node) {
             self.fail(
@@ -1097,22 +1102,14 @@ impl DecodeCore {
     fn peer_gone(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
         self.ready.remove(node);
         let now = self.now_ms();
-        let lost: Vec<(String, u64)> = self
-            .transfers
-            .keys()
-            .filter(|(n, _)| n == node)
-            .cloned()
-            .collect();
-        for k in lost {
-            if let Some(t) = self.transfers.remove(&k) {
-                let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);
-                self.grants.revoke(t.attempt);
-                self.fail(
-                    t.seq,
-                    format!("decode transfer: prefill {node} lost: {why}"),
-                    items,
-                );
-            }
+        for t in self.take_transfers(node) {
+            let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);
+            self.grants.revoke(t.attempt);
+            self.fail(
+                t.seq,
+                format!("decode transfer: prefill {node} lost: {why}"),
+                items,
+            );
         }
         match self
             .ledger

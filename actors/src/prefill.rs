@@ -737,36 +737,17 @@ impl KvSender {
                         bytes = tracing::field::Empty,
                     );
                     let t = Instant::now();
-                    match self.write(&to, &runs) {
+                    match self.write(&to, &runs, None) {
                         Ok(n) => {
                             span.record("bytes", n);
                             if let Err(error) = self.after_write(&to, &runs) {
-                                self.progress_of(to.attempt).error = Some(error.clone());
-                                let _ = self.done.send(Cmd::SendFailed { seq, error });
+                                self.failed(seq, to.attempt, error);
                                 continue;
                             }
-                            let p = self.progress_of(to.attempt);
-                            p.bytes += n;
-                            p.secs += t.elapsed().as_secs_f64();
-                            let bytes = p.bytes;
-                            metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name())
-                                .increment(n);
-                            self.outbox.send(
-                                &to.node,
-                                WORKER_SERVICE,
-                                kinds::CHUNK,
-                                &ChunkWritten {
-                                    room: to.room,
-                                    attempt: to.attempt,
-                                    pages: pages_so_far,
-                                    bytes,
-                                },
-                            );
+                            let bytes = self.account(&to, n, t);
+                            self.chunk_written(&to, pages_so_far, bytes);
                         }
-                        Err(error) => {
-                            self.progress_of(to.attempt).error = Some(error.clone());
-                            let _ = self.done.send(Cmd::SendFailed { seq, error });
-                        }
+                        Err(error) => self.failed(seq, to.attempt, error),
                     }
                 }
                 Job::Layer {
@@ -791,50 +772,24 @@ impl KvSender {
                         self.layer_spans.insert(to.attempt, (span, 0));
                     }
                     let t = Instant::now();
-                    let (memory, layout) = (self.memory.clone(), self.layout);
-                    let written = self.link(&to).and_then(|l| {
-                        l.write_layer(to.attempt, &memory, &layout, &runs, layer)
-                            .map_err(|e| e.to_string())
-                    });
-                    match written {
+                    match self.write(&to, &runs, Some(layer)) {
                         Ok(n) => {
-                            let p = self.progress_of(to.attempt);
-                            p.bytes += n;
-                            p.secs += t.elapsed().as_secs_f64();
-                            let bytes = p.bytes;
-                            metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name())
-                                .increment(n);
+                            let bytes = self.account(&to, n, t);
                             if let Some((_, b)) = self.layer_spans.get_mut(&to.attempt) {
                                 *b += n;
                             }
-                            if layer + 1 == layout.n_layers {
+                            if layer + 1 == self.layout.n_layers {
                                 if let Some((span, b)) = self.layer_spans.remove(&to.attempt) {
                                     span.record("bytes", b);
                                 }
                                 if let Err(error) = self.after_write(&to, &runs) {
-                                    self.progress_of(to.attempt).error = Some(error.clone());
-                                    let _ = self.done.send(Cmd::SendFailed { seq, error });
+                                    self.failed(seq, to.attempt, error);
                                     continue;
                                 }
-                                self.outbox.send(
-                                    &to.node,
-                                    WORKER_SERVICE,
-                                    kinds::CHUNK,
-                                    &ChunkWritten {
-                                        room: to.room,
-                                        attempt: to.attempt,
-                                        pages: pages_so_far,
-                                        bytes,
-                                    },
-                                );
+                                self.chunk_written(&to, pages_so_far, bytes);
                             }
                         }
-                        Err(error) => {
-                            self.links
-                                .remove(&(to.node.clone(), to.incarnation, to.backend));
-                            self.progress_of(to.attempt).error = Some(error.clone());
-                            let _ = self.done.send(Cmd::SendFailed { seq, error });
-                        }
+                        Err(error) => self.failed(seq, to.attempt, error),
                     }
                 }
                 Job::Finish {
@@ -849,8 +804,7 @@ impl KvSender {
                     let fence_span = tracing::info_span!(parent: &to.span, "fence");
                     let fence_start = Instant::now();
                     if let Err(error) = fence_span.in_scope(|| self.fence(&to)) {
-                        self.progress_of(to.attempt).error = Some(error.clone());
-                        let _ = self.done.send(Cmd::SendFailed { seq, error });
+                        self.failed(seq, to.attempt, error);
                         continue;
                     }
                     let exposed = compute_end.elapsed().as_secs_f64();
@@ -913,6 +867,36 @@ impl KvSender {
         }
     }
 
+    /// Marks an attempt failed (its later jobs are skipped) and tells the engine thread.
+    fn failed(&mut self, seq: u64, attempt: u64, error: String) {
+        self.progress_of(attempt).error = Some(error.clone());
+        let _ = self.done.send(Cmd::SendFailed { seq, error });
+    }
+
+    /// Counts `n` bytes written since `started`; returns the attempt's bytes so far.
+    fn account(&mut self, to: &Target, n: u64, started: Instant) -> u64 {
+        metrics::counter!(m::KV_BYTES_SENT, "backend" => to.backend.name()).increment(n);
+        let p = self.progress_of(to.attempt);
+        p.bytes += n;
+        p.secs += started.elapsed().as_secs_f64();
+        p.bytes
+    }
+
+    /// Tells decode how far the transfer is.
+    fn chunk_written(&self, to: &Target, pages: usize, bytes: u64) {
+        self.outbox.send(
+            &to.node,
+            WORKER_SERVICE,
+            kinds::CHUNK,
+            &ChunkWritten {
+                room: to.room,
+                attempt: to.attempt,
+                pages,
+                bytes,
+            },
+        );
+    }
+
     /// Once a run's pages are all written: its checksum, and the fault injection if asked.
     fn after_write(&mut self, to: &Target, runs: &[PageRun]) -> Result<(), String> {
         let src: Vec<PageId> = runs.iter().flat_map(|r| r.src..r.src + r.n).collect();
@@ -964,12 +948,20 @@ impl KvSender {
             .ok_or_else(|| "no transport".to_string())
     }
 
-    fn write(&mut self, to: &Target, runs: &[PageRun]) -> Result<u64, String> {
+    /// Writes whole pages of `runs`, or one layer of them; a failed transport is dropped.
+    fn write(
+        &mut self,
+        to: &Target,
+        runs: &[PageRun],
+        layer: Option<usize>,
+    ) -> Result<u64, String> {
         let (memory, layout) = (self.memory.clone(), self.layout);
-        let result = self
-            .link(to)?
-            .write(to.attempt, &memory, &layout, runs)
-            .map_err(|e| e.to_string());
+        let link = self.link(to)?;
+        let result = match layer {
+            None => link.write(to.attempt, &memory, &layout, runs),
+            Some(l) => link.write_layer(to.attempt, &memory, &layout, runs, l),
+        }
+        .map_err(|e| e.to_string());
         if result.is_err() {
             self.links
                 .remove(&(to.node.clone(), to.incarnation, to.backend));

@@ -175,15 +175,7 @@ impl TransferLedger {
         if live {
             return Err(LedgerError::RoomLive(room));
         }
-        for (i, &p) in pages.iter().enumerate() {
-            if let Err(e) = alloc.pin(p) {
-                // Roll back the pins taken so far: nothing half-opened stays behind.
-                for &q in &pages[..i] {
-                    let _ = alloc.unpin(q);
-                }
-                return Err(e.into());
-            }
-        }
+        pin_all(&pages, alloc)?;
         let key = self.next_key;
         self.next_key += 1;
         self.rooms.insert(room, key);
@@ -208,25 +200,11 @@ impl TransferLedger {
         pages: &[PageId],
         alloc: &mut PageAllocator,
     ) -> Result<Outcome, LedgerError> {
-        if let Some(o) = self.classify(key)? {
-            return Ok(o);
-        }
-        let a = self
-            .attempts
-            .get_mut(&key)
-            .ok_or(LedgerError::UnknownAttempt(key))?;
-        if a.state != State::Active {
-            self.stats.ignored += 1;
-            return Ok(Outcome::Ignored);
-        }
-        for (i, &p) in pages.iter().enumerate() {
-            if let Err(e) = alloc.pin(p) {
-                for &q in &pages[..i] {
-                    let _ = alloc.unpin(q);
-                }
-                return Err(e.into());
-            }
-        }
+        let a = match self.live_active(key)? {
+            Ok(a) => a,
+            Err(o) => return Ok(o),
+        };
+        pin_all(pages, alloc)?;
         a.pages.extend_from_slice(pages);
         Ok(Outcome::Applied)
     }
@@ -254,6 +232,26 @@ impl TransferLedger {
         Ok(None)
     }
 
+    /// The attempt `key`, if it is its room's current one and still active; otherwise what the
+    /// call amounts to (stale or ignored, counted).
+    fn live_active(
+        &mut self,
+        key: AttemptKey,
+    ) -> Result<Result<&mut Attempt, Outcome>, LedgerError> {
+        if let Some(o) = self.classify(key)? {
+            return Ok(Err(o));
+        }
+        let a = self
+            .attempts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAttempt(key))?;
+        if a.state != State::Active {
+            self.stats.ignored += 1;
+            return Ok(Err(Outcome::Ignored));
+        }
+        Ok(Ok(a))
+    }
+
     /// Every page of the attempt arrived (destination) or was read (source). A destination
     /// attempt publishes its pages; the pins drop. After an abort this publishes nothing.
     /// Returns the published pages (destination, first completion only).
@@ -262,24 +260,16 @@ impl TransferLedger {
         key: AttemptKey,
         alloc: &mut PageAllocator,
     ) -> Result<(Outcome, Vec<PageId>), LedgerError> {
-        if let Some(o) = self.classify(key)? {
-            return Ok((o, Vec::new()));
-        }
         let side = self.side;
-        let a = self
-            .attempts
-            .get_mut(&key)
-            .ok_or(LedgerError::UnknownAttempt(key))?;
-        if a.state != State::Active {
-            self.stats.ignored += 1;
-            return Ok((Outcome::Ignored, Vec::new()));
-        }
+        let a = match self.live_active(key)? {
+            Ok(a) => a,
+            Err(o) => return Ok((o, Vec::new())),
+        };
         a.state = State::Completed;
         for &p in &a.pages {
             alloc.unpin(p)?;
         }
         let published = if side == Side::Destination {
-            self.stats.published += 1;
             a.pages.clone()
         } else {
             Vec::new()
@@ -287,6 +277,9 @@ impl TransferLedger {
         if a.owns_refs && side == Side::Source {
             // A source attempt that owned the request's references gives them up once read.
             alloc.release_all(&a.pages)?;
+        }
+        if side == Side::Destination {
+            self.stats.published += 1;
         }
         Ok((Outcome::Applied, published))
     }
@@ -300,26 +293,19 @@ impl TransferLedger {
         now_ms: u64,
         alloc: &mut PageAllocator,
     ) -> Result<Outcome, LedgerError> {
-        if let Some(o) = self.classify(key)? {
-            return Ok(o);
-        }
-        let a = self
-            .attempts
-            .get_mut(&key)
-            .ok_or(LedgerError::UnknownAttempt(key))?;
-        if a.state != State::Active {
-            self.stats.ignored += 1;
-            return Ok(Outcome::Ignored);
-        }
+        let a = match self.live_active(key)? {
+            Ok(a) => a,
+            Err(o) => return Ok(o),
+        };
         a.state = State::Draining {
             reason,
             since_ms: now_ms,
         };
-        self.stats.aborted += 1;
         if a.owns_refs {
             alloc.release_all(&a.pages)?;
             a.owns_refs = false;
         }
+        self.stats.aborted += 1;
         Ok(Outcome::Applied)
     }
 
@@ -433,6 +419,20 @@ impl TransferLedger {
                 || rooms.get(&a.room) == Some(k)
         });
     }
+}
+
+/// Pins every page, or none: the pins taken before a failure are rolled back, so nothing
+/// half-pinned stays behind.
+fn pin_all(pages: &[PageId], alloc: &mut PageAllocator) -> Result<(), LedgerError> {
+    for (i, &p) in pages.iter().enumerate() {
+        if let Err(e) = alloc.pin(p) {
+            for &q in &pages[..i] {
+                let _ = alloc.unpin(q);
+            }
+            return Err(e.into());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
