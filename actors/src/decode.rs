@@ -28,6 +28,7 @@ use duet_engine::{Engine, EngineOptions, Model, Runner, fetch};
 use duet_gpu::{KvPool, PageId};
 use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
+use duet_runtime::link::LinkError;
 use duet_runtime::membership::MembershipEvent;
 use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
@@ -404,18 +405,31 @@ impl DecodeState {
         };
         let (ctx, me, node) = (self.ctx.clone(), myself.clone(), node.to_string());
         tokio::spawn(async move {
-            let answer = match ctx.links.get(&node) {
-                Ok(link) => link
-                    .request(
-                        kinds::HELLO,
-                        WORKER_SERVICE,
-                        BOOTSTRAP_SERVICE,
-                        wire::encode_body(&hello),
-                        Duration::from_secs(10),
-                    )
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+            // A link that is still (re)connecting is waited for, as the outbox does; a refusal
+            // from the peer (a layout mismatch) is final at once.
+            let deadline = tokio::time::Instant::now() + outbox::RETRY_FOR;
+            let answer = loop {
+                let sent = match ctx.links.get(&node) {
+                    Ok(link) => {
+                        link.request(
+                            kinds::HELLO,
+                            WORKER_SERVICE,
+                            BOOTSTRAP_SERVICE,
+                            wire::encode_body(&hello),
+                            Duration::from_secs(10),
+                        )
+                        .await
+                    }
+                    Err(e) => Err(e),
+                };
+                match sent {
+                    Err(LinkError::NotConnected { .. } | LinkError::Disconnected { .. })
+                        if tokio::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    other => break other.map_err(|e| e.to_string()),
+                }
             };
             let result = answer
                 .and_then(|b| wire::decode_body::<LayoutHello>(&b).map_err(|e| e.to_string()))
