@@ -105,8 +105,12 @@ async fn ready(http: u16) {
 /// Pools are whole when quiet: no pins, and every page free or held only by the prefix cache
 /// (which gives it up at once).
 async fn assert_pools_whole(c: &ClusterDir) {
+    assert_pools_whole_on(c, &["p0", "d0"]).await;
+}
+
+async fn assert_pools_whole_on(c: &ClusterDir, nodes: &[&str]) {
     let token = c.token();
-    for node in ["p0", "d0"] {
+    for &node in nodes {
         let addr = c.admin(node);
         poll(
             &format!("{node}'s pool whole"),
@@ -507,4 +511,169 @@ async fn a_corrupted_run_is_caught_by_the_checksum_and_never_served() {
         "only the clean attempt was published"
     );
     assert_pools_whole(&c).await;
+}
+
+/// A streamed completion read event by event: its text, its token count, and an error event
+/// if one came.
+struct Stream {
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    _curl: tokio::process::Child,
+    text: String,
+    /// Events with a choice (about one per token).
+    tokens: usize,
+    /// `usage.completion_tokens` of the last event.
+    usage: Option<u64>,
+    error: Option<String>,
+    done: bool,
+}
+
+impl Stream {
+    fn open(http: u16, body: Value) -> Stream {
+        use tokio::io::AsyncBufReadExt;
+        let mut curl = tokio::process::Command::new("curl")
+            .args(["-s", "-N", "--max-time", "300", "-H"])
+            .arg("content-type: application/json")
+            .arg("-d")
+            .arg(body.to_string())
+            .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("curl");
+        let out = curl.stdout.take().expect("stdout");
+        Stream {
+            lines: tokio::io::BufReader::new(out).lines(),
+            _curl: curl,
+            text: String::new(),
+            tokens: 0,
+            usage: None,
+            error: None,
+            done: false,
+        }
+    }
+
+    /// Reads until `tokens` tokens arrived or the stream ended.
+    async fn until(&mut self, tokens: usize) {
+        while self.tokens < tokens && !self.done {
+            let line = tokio::time::timeout(Duration::from_secs(120), self.lines.next_line())
+                .await
+                .expect("the stream went silent");
+            let Some(line) = line.expect("read") else {
+                self.done = true;
+                break;
+            };
+            let Some(data) = line.strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                self.done = true;
+                break;
+            }
+            let v: Value = serde_json::from_str(data).expect("event json");
+            if let Some(e) = v.get("error") {
+                self.error = Some(e.to_string());
+                continue;
+            }
+            if let Some(c) = v["choices"].get(0) {
+                self.text.push_str(c["text"].as_str().unwrap_or_default());
+                self.tokens += 1;
+            }
+            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                self.usage = Some(n);
+            }
+        }
+    }
+}
+
+/// Kills the decode worker that is serving the one request in flight; returns its node.
+async fn kill_serving_decode(c: &ClusterDir, decodes: &[&str]) -> String {
+    let token = c.token();
+    let serving = poll(
+        "a decode worker running the request",
+        Duration::from_secs(30),
+        || async {
+            for &d in decodes {
+                if metric(c.admin(d), &token, "duet_sequences_running", "").await >= 1.0 {
+                    return Some(d.to_string());
+                }
+            }
+            None
+        },
+    )
+    .await;
+    let path = format!("{serving}/decode/worker");
+    let out = duet(&["kill", "--config", path_str(&c.config), &path]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    serving
+}
+
+/// Migration (issue 8): decode dies after the client has tokens; the stream continues on the
+/// other decode worker from those tokens, the prefill worker re-sends the prompt KV it kept
+/// (one chunk computed, not the prompt's four), and the text equals the colocated engine's.
+/// With migration off, the same fault ends the stream with an error naming the cause.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_killed_mid_stream_is_continued_on_another_without_recompute() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let params = SamplingParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let prompt = prompt_ids(&model, 101);
+    let want = colocated(&model_path, std::slice::from_ref(&prompt), &params);
+    for migration in [true, false] {
+        let http = free_ports(1)[0];
+        let c = ClusterDir::new(
+            &[
+                ("router", "router"),
+                ("p0", "prefill"),
+                ("d0", "decode"),
+                ("d1", "decode"),
+            ],
+            &serving(&model_path, http, &format!("migration = {migration}\n")),
+        );
+        let _up = Running::up(&c.config).await;
+        router_ready(http, 3).await;
+        let token = c.token();
+        let body = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                          "ignore_eos": true, "stream": true,
+                          "stream_options": {"include_usage": true}});
+        let mut stream = Stream::open(http, body);
+        stream.until(5).await;
+        assert!(!stream.done, "the stream ended before the fault");
+        let chunks_before = metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await;
+        let killed = kill_serving_decode(&c, &["d0", "d1"]).await;
+        stream.until(usize::MAX).await;
+        if !migration {
+            let error = stream.error.expect("an error event");
+            assert!(error.contains(&killed), "{error}");
+            assert!(
+                want[0].starts_with(&stream.text),
+                "what was sent is correct"
+            );
+            continue;
+        }
+        assert_eq!(stream.error, None, "the stream failed");
+        assert_eq!(
+            stream.text, want[0],
+            "the continued text differs from the colocated engine's"
+        );
+        assert_eq!(stream.usage, Some(40), "tokens repeated or lost");
+        let migrated = metric(
+            c.admin("router"),
+            &token,
+            "duet_router_migrations_total",
+            "outcome=\"started\"",
+        )
+        .await;
+        assert_eq!(migrated, 1.0);
+        let chunks = metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await;
+        assert_eq!(
+            chunks - chunks_before,
+            1.0,
+            "prefill recomputed the prompt instead of re-sending what it kept"
+        );
+        assert_pools_whole_on(&c, &["p0", "d0", "d1"]).await;
+    }
 }

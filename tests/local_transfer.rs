@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use duet_engine::sampling::Sampled;
+use duet_engine::scheduler::Resume;
 use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
 use duet_gpu::KvDtype;
 use duet_transport::{Backend, Endpoint, LocalRegistration, coalesce, connect};
@@ -49,7 +50,7 @@ fn disaggregated(
         .alloc(prompt.len().div_ceil(PAGE))
         .expect("pages");
     p.scheduler
-        .submit_prefill(1, prompt.to_vec(), params.clone())
+        .submit_prefill(1, prompt.to_vec(), params.clone(), Resume::default())
         .expect("submit");
     let mut sent = 0;
     loop {
@@ -88,6 +89,7 @@ fn disaggregated(
                     7,
                     prompt.to_vec(),
                     params.clone(),
+                    Resume::default(),
                     ev.handoff.expect("handoff"),
                     dst,
                     Sampled {

@@ -714,7 +714,10 @@ impl DecodeCore {
         generate: Generate,
         items: &mut Vec<(String, TokenItem)>,
     ) {
-        if let Err(e) = self.runner.submit(seq, generate.prompt, generate.params) {
+        let submitted =
+            self.runner
+                .submit_resumed(seq, generate.prompt, generate.params, generate.resume);
+        if let Err(e) = submitted {
             self.owners.remove(&seq);
             self.seqs.remove(&(router.clone(), generate.request));
             items.push((
@@ -939,6 +942,7 @@ impl DecodeCore {
             t.seq,
             t.generate.prompt,
             t.generate.params,
+            t.generate.resume,
             d.sampler,
             pages.clone(),
             first,

@@ -36,9 +36,13 @@ pub mod settings;
 pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
     let c = ctx.clone();
     match ctx.me.role {
-        Role::Router => vec![ChildSpec::actor("router", "router", move || {
-            (router::RouterActor, c.clone())
-        })],
+        Role::Router => {
+            // Outlives the actor's restarts: the HTTP server and the streams it serves.
+            let home = Arc::new(router::RouterHome::default());
+            vec![ChildSpec::actor("router", "router", move || {
+                (router::RouterActor, (c.clone(), home.clone()))
+            })]
+        }
         Role::Prefill => {
             let c2 = c.clone();
             vec![

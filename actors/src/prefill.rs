@@ -108,7 +108,13 @@ impl Actor for PrefillWorker {
                 let model = load_model(&s)?;
                 let options = engine_options(&s, &model);
                 let engine = Engine::new(model, options).map_err(|e| e.to_string())?;
-                Ok::<_, String>(Runner::new(engine, s.max_batch_tokens, s.max_running))
+                let mut runner = Runner::new(engine, s.max_batch_tokens, s.max_running);
+                // A finished prompt's KV stays for a while: a stream whose decode worker dies
+                // continues from it instead of recomputing it.
+                if s.migration {
+                    runner.cache.set_keep(s.migration_keep);
+                }
+                Ok::<_, String>(runner)
             })
             .await??
         };
@@ -418,6 +424,7 @@ impl PrefillCore {
                     seq,
                     start.request.prompt.clone(),
                     start.request.params.clone(),
+                    start.request.resume,
                 ) {
                     let _ = self
                         .ledger
@@ -683,6 +690,8 @@ impl PrefillCore {
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
         l.quarantined_pages = self.ledger.quarantined_pages();
+        metrics::gauge!(m::KV_PAGES_KEPT).set(runner.cache.kept() as f64);
+        metrics::counter!(m::MIGRATION_KEEPS_BROKEN).absolute(runner.cache.keeps_broken);
     }
 }
 

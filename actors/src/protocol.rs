@@ -35,6 +35,7 @@
 //! (and retries a request that had produced no token on another worker).
 
 use duet_engine::sampling::SamplerState;
+use duet_engine::scheduler::Resume;
 use duet_engine::{FinishReason, SamplingParams};
 use duet_gpu::{KvLayout, PageId};
 use duet_transport::{Backend, Endpoint};
@@ -106,6 +107,9 @@ pub struct PrefillRequest {
     pub prompt: Vec<u32>,
     /// Sampling (P samples the first token).
     pub params: SamplingParams,
+    /// A migrated stream: the end of `prompt` was generated before.
+    #[serde(default)]
+    pub resume: Resume,
 }
 
 /// What a worker's KV looks like; two workers exchange pages only if these are equal.
@@ -292,6 +296,9 @@ pub struct Generate {
     pub params: SamplingParams,
     /// Set when P prefills and D decodes.
     pub prefill: Option<PrefillPeer>,
+    /// A migrated stream: the end of `prompt` was generated before (not sent again).
+    #[serde(default)]
+    pub resume: Resume,
 }
 
 /// The worker took the request.

@@ -50,6 +50,15 @@ pub struct ServingConfig {
     pub drain_fence: Duration,
     /// An abort unacknowledged this long: the prefill side is treated as gone (its pins drop).
     pub drain_backstop: Duration,
+    /// Further attempts the router makes for a request whose worker failed.
+    pub retries: usize,
+    /// A stream whose decode worker failed after tokens were sent continues on another one
+    /// (from the tokens the client has) instead of failing.
+    pub migration: bool,
+    /// How long prefill keeps a finished prompt's KV for such a continuation.
+    pub migration_keep: Duration,
+    /// On SIGTERM, how long a node waits for its requests before it exits anyway.
+    pub shutdown_drain: Duration,
 }
 
 /// `serving.kv_transport`.
@@ -99,6 +108,10 @@ struct RawServing {
     kv_checksum: Option<bool>,
     drain_fence_secs: Option<Spanned<u64>>,
     drain_backstop_secs: Option<Spanned<u64>>,
+    retries: Option<Spanned<u64>>,
+    migration: Option<bool>,
+    migration_keep_secs: Option<Spanned<u64>>,
+    shutdown_drain_secs: Option<Spanned<u64>>,
     #[serde(default)]
     node: std::collections::BTreeMap<String, RawNodeServing>,
 }
@@ -310,6 +323,22 @@ impl ServingConfig {
                 1,
                 86_400,
                 60,
+            )?),
+            retries: int(&s.retries, "serving.retries", 0, 16, 3)? as usize,
+            migration: s.migration.unwrap_or(true),
+            migration_keep: Duration::from_secs(int(
+                &s.migration_keep_secs,
+                "serving.migration_keep_secs",
+                0,
+                3_600,
+                30,
+            )?),
+            shutdown_drain: Duration::from_secs(int(
+                &s.shutdown_drain_secs,
+                "serving.shutdown_drain_secs",
+                1,
+                3_600,
+                30,
             )?),
         })
     }

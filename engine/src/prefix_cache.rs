@@ -5,8 +5,14 @@
 //! a sequence that reuses a page takes its own. Only full pages are cached, and a full page is
 //! never written again, so sharing is read-only. When pages run short, leaves that nobody but
 //! the cache references are evicted, least recently used first.
+//!
+//! A cache may *keep* what it was given for a while ([`PrefixCache::set_keep`]): prefill keeps
+//! a finished prompt's pages so that a stream whose decode worker died can be re-sent without
+//! recomputing it. Kept leaves are evicted only after every other candidate, so the keep
+//! never starves admissions, and it ends by itself: it holds no reference of its own.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use duet_gpu::{PageAllocator, PageId, PoolError};
 
@@ -17,6 +23,8 @@ struct Node {
     key: Vec<u32>,
     children: HashMap<Vec<u32>, usize>,
     last_used: u64,
+    /// Evicted last until then.
+    kept_until: Option<Instant>,
 }
 
 /// A radix tree of cached pages.
@@ -27,8 +35,11 @@ pub struct PrefixCache {
     free_slots: Vec<usize>,
     roots: HashMap<Vec<u32>, usize>,
     clock: u64,
+    keep: Duration,
     /// Pages reused by sequences (for metrics and tests).
     pub hits: u64,
+    /// Kept pages that memory pressure evicted before their time.
+    pub keeps_broken: u64,
 }
 
 impl PrefixCache {
@@ -40,8 +51,26 @@ impl PrefixCache {
             free_slots: Vec::new(),
             roots: HashMap::new(),
             clock: 0,
+            keep: Duration::ZERO,
             hits: 0,
+            keeps_broken: 0,
         }
+    }
+
+    /// Keeps every page inserted from now on for `keep` after its insertion (evicted only
+    /// when nothing else can be).
+    pub fn set_keep(&mut self, keep: Duration) {
+        self.keep = keep;
+    }
+
+    /// Pages still inside their keep window.
+    pub fn kept(&self) -> usize {
+        let now = Instant::now();
+        self.nodes
+            .iter()
+            .flatten()
+            .filter(|n| n.kept_until.is_some_and(|t| t > now))
+            .count()
     }
 
     /// Pages held by the cache.
@@ -102,6 +131,7 @@ impl PrefixCache {
         alloc: &mut PageAllocator,
     ) -> Result<(), PoolError> {
         self.clock += 1;
+        let kept_until = (!self.keep.is_zero()).then(|| Instant::now() + self.keep);
         let mut at: Option<usize> = None;
         for (key, &page) in tokens.chunks_exact(self.page_size).zip(pages) {
             let i = match self.child(at, key) {
@@ -114,6 +144,7 @@ impl PrefixCache {
                         key: key.to_vec(),
                         children: HashMap::new(),
                         last_used: self.clock,
+                        kept_until,
                     };
                     let i = match self.free_slots.pop() {
                         Some(slot) => {
@@ -140,6 +171,7 @@ impl PrefixCache {
             };
             if let Some(n) = self.nodes[i].as_mut() {
                 n.last_used = self.clock;
+                n.kept_until = n.kept_until.max(kept_until);
             }
             at = Some(i);
         }
@@ -150,16 +182,21 @@ impl PrefixCache {
     /// Returns how many were freed.
     pub fn evict(&mut self, want: usize, alloc: &mut PageAllocator) -> usize {
         let mut freed = 0;
+        let now = Instant::now();
         while freed < want {
+            // Leaves past their keep go first (least recently used first), then kept ones.
             let victim = self
                 .nodes
                 .iter()
                 .enumerate()
                 .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
                 .filter(|(_, n)| n.children.is_empty() && alloc.refs(n.page) == 1)
-                .min_by_key(|(_, n)| n.last_used)
-                .map(|(i, _)| i);
-            let Some(i) = victim else { break };
+                .min_by_key(|(_, n)| (n.kept_until.is_some_and(|t| t > now), n.last_used))
+                .map(|(i, n)| (i, n.kept_until.is_some_and(|t| t > now)));
+            let Some((i, kept)) = victim else { break };
+            if kept {
+                self.keeps_broken += 1;
+            }
             let Some(node) = self.nodes[i].take() else {
                 break;
             };
@@ -222,6 +259,30 @@ mod tests {
         alloc.release_all(&got2).unwrap();
         assert_eq!(cache.evict(8, &mut alloc), 2);
         assert!(cache.is_empty());
+        assert_eq!(alloc.stats().free, 8);
+    }
+
+    #[test]
+    fn kept_pages_are_evicted_after_every_other_leaf() {
+        let mut alloc = PageAllocator::new(8);
+        let mut cache = PrefixCache::new(2);
+        cache.set_keep(Duration::from_secs(60));
+        let kept = alloc.alloc(1).unwrap();
+        cache.insert(&[1, 2], &kept, &mut alloc).unwrap();
+        cache.set_keep(Duration::ZERO);
+        let plain = alloc.alloc(1).unwrap();
+        cache.insert(&[3, 4], &plain, &mut alloc).unwrap();
+        alloc.release_all(&kept).unwrap();
+        alloc.release_all(&plain).unwrap();
+        // The kept page is older, yet the plain one goes first.
+        assert_eq!(cache.kept(), 1);
+        assert_eq!(cache.evict(1, &mut alloc), 1);
+        assert_eq!(cache.acquire(&[1, 2, 0], 1, &mut alloc).unwrap(), kept);
+        alloc.release_all(&kept).unwrap();
+        assert_eq!(cache.keeps_broken, 0);
+        // Under pressure the keep gives way, and says so.
+        assert_eq!(cache.evict(1, &mut alloc), 1);
+        assert_eq!(cache.keeps_broken, 1);
         assert_eq!(alloc.stats().free, 8);
     }
 }

@@ -6,7 +6,7 @@ use duet_gpu::PoolError;
 use crate::engine::{Engine, EngineError};
 use crate::prefix_cache::PrefixCache;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqEvent, SeqId, SubmitError};
+use crate::scheduler::{Resume, Scheduler, SchedulerConfig, SeqEvent, SeqId, SubmitError};
 
 /// Engine, scheduler and prefix cache together.
 #[derive(Debug)]
@@ -54,6 +54,19 @@ impl Runner {
         params: SamplingParams,
     ) -> Result<(), SubmitError> {
         self.scheduler.submit(id, prompt, params)
+    }
+
+    /// Queues a stream that continues where another worker left it (see [`Resume`]).
+    pub fn submit_resumed(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        resume: Resume,
+    ) -> Result<(), SubmitError> {
+        let tok = &self.engine.model.tokenizer;
+        self.scheduler
+            .submit_resumed(id, prompt, params, resume, Some(tok))
     }
 
     /// Cancels a request and frees its pages.

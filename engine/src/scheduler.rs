@@ -120,6 +120,18 @@ pub struct SeqEvent {
     pub handoff: Option<SamplerState>,
 }
 
+/// A stream that continues where another worker left it (migration): the last `generated`
+/// tokens of the prompt were already generated and streamed, and the client holds the first
+/// `emitted` bytes of their text. The sequence counts them toward `max_tokens`/`min_tokens`,
+/// matches stop strings across them, and never emits their text again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Resume {
+    /// Tokens at the end of the prompt that were generated before.
+    pub generated: usize,
+    /// Bytes of their text the client already has.
+    pub emitted: usize,
+}
+
 #[derive(Debug)]
 struct Seq {
     tokens: Vec<u32>,
@@ -140,6 +152,17 @@ struct Seq {
 impl Seq {
     fn decoding(&self) -> bool {
         self.computed + 1 == self.tokens.len() && self.generated > 0
+    }
+
+    /// Takes the end of the prompt as already generated: its text is rebuilt (so stop strings
+    /// match across the seam) and what the client has is not sent again.
+    fn resume(&mut self, resume: Resume, tok: &Tokenizer) {
+        let from = self.tokens.len() - resume.generated;
+        for &t in &self.tokens[from..] {
+            self.text.push_str(&self.decoder.push(tok, t));
+        }
+        self.generated = resume.generated;
+        self.emitted = floor_char_boundary(&self.text, resume.emitted.min(self.text.len()));
     }
 }
 
@@ -189,10 +212,25 @@ impl Scheduler {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<(), SubmitError> {
-        if prompt.is_empty() {
+        self.submit_resumed(id, prompt, params, Resume::default(), None)
+    }
+
+    /// Queues a request whose last `resume.generated` prompt tokens were generated elsewhere
+    /// (see [`Resume`]); `tok` rebuilds their text, and may be `None` only when nothing is
+    /// resumed.
+    pub fn submit_resumed(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        resume: Resume,
+        tok: Option<&Tokenizer>,
+    ) -> Result<(), SubmitError> {
+        if prompt.is_empty() || resume.generated >= prompt.len() {
             return Err(SubmitError::EmptyPrompt);
         }
-        if prompt.len() + params.max_tokens > self.cfg.max_context {
+        if prompt.len() + params.max_tokens.saturating_sub(resume.generated) > self.cfg.max_context
+        {
             return Err(SubmitError::TooLong {
                 prompt: prompt.len(),
                 max_tokens: params.max_tokens,
@@ -202,23 +240,36 @@ impl Scheduler {
         if self.seqs.contains_key(&id) {
             return Err(SubmitError::Duplicate(id));
         }
-        self.seqs.insert(
-            id,
-            Seq {
-                prompt_len: prompt.len(),
-                tokens: prompt,
-                computed: 0,
-                pages: Vec::new(),
-                sampler: Sampler::new(params),
-                decoder: StreamDecoder::default(),
-                text: String::new(),
-                emitted: 0,
-                generated: 0,
-                cached_tokens: 0,
-                admitted: 0,
-                prefill_only: false,
-            },
-        );
+        let mut sampler = Sampler::new(params);
+        if sampler.params().temperature > 0.0 {
+            // One draw per sampled token: the stream continues where it stood.
+            let seed = sampler.state().seed;
+            sampler = Sampler::resume(
+                sampler.params().clone(),
+                SamplerState {
+                    seed,
+                    draws: resume.generated as u64,
+                },
+            );
+        }
+        let mut seq = Seq {
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            pages: Vec::new(),
+            sampler,
+            decoder: StreamDecoder::default(),
+            text: String::new(),
+            emitted: 0,
+            generated: 0,
+            cached_tokens: 0,
+            admitted: 0,
+            prefill_only: false,
+        };
+        if let Some(tok) = tok {
+            seq.resume(resume, tok);
+        }
+        self.seqs.insert(id, seq);
         self.waiting.push_back(id);
         Ok(())
     }
@@ -500,7 +551,7 @@ impl Scheduler {
             let Some(logits) = logits.as_ref().filter(|_| item.sample) else {
                 continue;
             };
-            if seq.generated == 0 {
+            if seq.computed == seq.prompt_len {
                 // The prompt is computed: its full pages can serve later requests.
                 let full = seq.prompt_len / ps;
                 cache.insert(
@@ -541,10 +592,15 @@ impl Scheduler {
         id: SeqId,
         prompt: Vec<u32>,
         params: SamplingParams,
+        resume: Resume,
     ) -> Result<(), SubmitError> {
-        self.submit(id, prompt, params)?;
+        // Prefill samples only the next token: it needs the sampler's position and the
+        // min_tokens count, not the text.
+        let generated = resume.generated;
+        self.submit_resumed(id, prompt, params, resume, None)?;
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.prefill_only = true;
+            seq.generated = generated;
         }
         Ok(())
     }
@@ -556,13 +612,15 @@ impl Scheduler {
 
     /// Starts decoding a sequence whose prompt KV arrived from elsewhere: `pages` (one
     /// reference each, handed over) hold the whole prompt, `first` was sampled by prefill and
-    /// `sampler` is the stream's state after it. Returns the first token's event.
+    /// `sampler` is the stream's state after it. A migrated stream's `resume` says which
+    /// prompt tokens were generated before. Returns the first token's event.
     #[allow(clippy::too_many_arguments)]
     pub fn admit_transferred(
         &mut self,
         id: SeqId,
         prompt: Vec<u32>,
         params: SamplingParams,
+        resume: Resume,
         sampler: SamplerState,
         pages: Vec<PageId>,
         first: Sampled,
@@ -575,7 +633,10 @@ impl Scheduler {
         if self.seqs.contains_key(&id) {
             return Err(AdmitError::Submit(SubmitError::Duplicate(id)));
         }
-        if prompt.is_empty() || pages.len() != prompt.len().div_ceil(ps) {
+        if prompt.is_empty()
+            || resume.generated >= prompt.len()
+            || pages.len() != prompt.len().div_ceil(ps)
+        {
             return Err(AdmitError::PagesMismatch {
                 tokens: prompt.len(),
                 pages: pages.len(),
@@ -584,23 +645,22 @@ impl Scheduler {
         let full = prompt.len() / ps;
         cache.insert(&prompt[..full * ps], &pages[..full], alloc)?;
         self.admissions += 1;
-        self.seqs.insert(
-            id,
-            Seq {
-                prompt_len: prompt.len(),
-                computed: prompt.len(),
-                tokens: prompt,
-                pages,
-                sampler: Sampler::resume(params, sampler),
-                decoder: StreamDecoder::default(),
-                text: String::new(),
-                emitted: 0,
-                generated: 0,
-                cached_tokens,
-                admitted: self.admissions,
-                prefill_only: false,
-            },
-        );
+        let mut seq = Seq {
+            prompt_len: prompt.len(),
+            computed: prompt.len(),
+            tokens: prompt,
+            pages,
+            sampler: Sampler::resume(params, sampler),
+            decoder: StreamDecoder::default(),
+            text: String::new(),
+            emitted: 0,
+            generated: 0,
+            cached_tokens,
+            admitted: self.admissions,
+            prefill_only: false,
+        };
+        seq.resume(resume, tok);
+        self.seqs.insert(id, seq);
         self.running.push(id);
         Ok(self.accept(id, first, tok, alloc)?)
     }

@@ -140,3 +140,37 @@ fn stop_conditions_and_aborts() {
     // A prompt that cannot fit the context is refused up front.
     assert!(r.submit(4, prompt(500, 1), greedy(100)).is_err());
 }
+
+/// A stream cut after `cut` tokens and resumed from prompt + those tokens (migration) gives
+/// the same tokens and, together with what was sent before the cut, the same text.
+#[test]
+fn a_resumed_stream_continues_exactly_where_it_was_cut() {
+    use duet_engine::scheduler::Resume;
+    let mut r = runner(128, 64);
+    let seeded = SamplingParams {
+        temperature: 0.9,
+        seed: Some(11),
+        ..greedy(16)
+    };
+    for params in [greedy(16), seeded] {
+        r.submit(1, prompt(13, 2), params.clone()).expect("submit");
+        let whole = r.run_to_completion().expect("run");
+        let text: String = whole.iter().map(|e| e.text.as_str()).collect();
+        for cut in [1, 5, 15] {
+            let sent: String = whole[..cut].iter().map(|e| e.text.as_str()).collect();
+            let mut resumed_prompt = prompt(13, 2);
+            resumed_prompt.extend(whole[..cut].iter().map(|e| e.token));
+            let resume = Resume {
+                generated: cut,
+                emitted: sent.len(),
+            };
+            r.submit_resumed(2, resumed_prompt, params.clone(), resume)
+                .expect("submit");
+            let rest = r.run_to_completion().expect("run");
+            assert_eq!(rest.len(), 16 - cut, "max_tokens counts what came before");
+            assert_eq!(tokens_of(&rest, 2), tokens_of(&whole, 1)[cut..].to_vec());
+            let got: String = rest.iter().map(|e| e.text.as_str()).collect();
+            assert_eq!(format!("{sent}{got}"), text, "cut at {cut}");
+        }
+    }
+}

@@ -31,6 +31,12 @@ pub const PEER_TRANSITIONS: &str = "duet_peer_transitions_total";
 pub const ADMIN_UNAUTHORIZED: &str = "duet_admin_unauthorized_total";
 /// Requests the router retried on another worker (their worker was lost before a token).
 pub const ROUTER_RETRIES: &str = "duet_router_retries_total";
+/// Streams continued on another decode worker after tokens were sent (by outcome).
+pub const ROUTER_MIGRATIONS: &str = "duet_router_migrations_total";
+/// Kept prompt pages that memory pressure evicted before their keep ended.
+pub const MIGRATION_KEEPS_BROKEN: &str = "duet_migration_keeps_broken_total";
+/// Pages prefill keeps for migrations (a subset of the cached pages).
+pub const KV_PAGES_KEPT: &str = "duet_kv_pages_kept";
 /// Requests the router finished, by endpoint and outcome.
 pub const ROUTER_REQUESTS: &str = "duet_router_requests_total";
 /// KV pages in a worker's pool.
@@ -107,6 +113,9 @@ pub const ALL: &[&str] = &[
     PEER_TRANSITIONS,
     ADMIN_UNAUTHORIZED,
     ROUTER_RETRIES,
+    ROUTER_MIGRATIONS,
+    MIGRATION_KEEPS_BROKEN,
+    KV_PAGES_KEPT,
     ROUTER_REQUESTS,
     KV_PAGES_TOTAL,
     KV_PAGES_FREE,

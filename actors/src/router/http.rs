@@ -12,6 +12,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_engine::chat::Message;
+use duet_engine::scheduler::Resume;
 use duet_engine::{FinishReason, SamplingParams};
 use duet_runtime::metrics as m;
 use futures_util::stream::{self, Stream};
@@ -19,7 +20,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
-use super::{RouterShared, Started};
+use super::{Placement, RouterShared, Started};
 use crate::protocol::TokenItem;
 
 /// Largest request body accepted.
@@ -271,16 +272,22 @@ fn params(s: &RouterShared, prompt_len: usize, c: &Common) -> Result<SamplingPar
     })
 }
 
-/// One request in flight on a worker, retried once on another if its worker is lost before
-/// the first token. Dropping it (client gone) cancels it on the worker.
+/// One request in flight. When its worker fails it gets another attempt (up to
+/// `serving.retries`): before the first token a plain retry on other workers; after it, with
+/// `serving.migration` on, a continuation on another decode worker from the tokens the client
+/// already has, prefilled by the worker that keeps the prompt's KV. Dropping it (client gone)
+/// cancels it on the worker.
 struct Generation {
     shared: Arc<RouterShared>,
     prompt: Vec<u32>,
     params: SamplingParams,
     current: Option<Started>,
     tried: Vec<String>,
-    retried: bool,
-    tokens: usize,
+    /// Attempts left after this one (none for a pair the client forced).
+    attempts_left: usize,
+    /// Tokens the client has, and the bytes of their text.
+    generated: Vec<u32>,
+    emitted: usize,
     finished: bool,
     /// The request's span: it ends when the generation does (the end of an SSE stream).
     span: tracing::Span,
@@ -296,8 +303,12 @@ impl Generation {
         forced: Option<String>,
     ) -> Result<Generation, ApiError> {
         let arrived = std::time::Instant::now();
+        let placement = Placement {
+            forced: forced.as_deref(),
+            ..Placement::default()
+        };
         let started = shared
-            .start(&prompt, &params, &[], forced.as_deref())
+            .start(&prompt, &params, Resume::default(), placement)
             .await
             .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
         Ok(Generation {
@@ -308,17 +319,82 @@ impl Generation {
                 .cloned()
                 .collect(),
             // A pair the client forced is not swapped for another behind its back.
-            retried: forced.is_some(),
+            attempts_left: if forced.is_some() {
+                0
+            } else {
+                shared.settings.retries
+            },
             current: Some(started),
             shared,
             prompt,
             params,
-            tokens: 0,
+            generated: Vec::new(),
+            emitted: 0,
             finished: false,
             span: tracing::Span::current(),
             arrived,
             last_token: None,
         })
+    }
+
+    /// Starts the next attempt after `error` ended the current one; `Err` when there is none.
+    async fn next_attempt(&mut self, error: &str) -> Result<(), String> {
+        let migrating = !self.generated.is_empty();
+        if self.attempts_left == 0 || (migrating && !self.shared.settings.migration) {
+            return Err(error.to_string());
+        }
+        self.attempts_left -= 1;
+        let Some(old) = self.current.take() else {
+            return Err(error.to_string());
+        };
+        // The old attempt may still be running (the router restarted, not the worker).
+        self.shared.cancel(old.request);
+        let mut prompt = self.prompt.clone();
+        prompt.extend_from_slice(&self.generated);
+        let resume = Resume {
+            generated: self.generated.len(),
+            emitted: self.emitted,
+        };
+        let kind = if migrating { "migration" } else { "retry" };
+        tracing::warn!(
+            %error,
+            kind,
+            tokens_sent = resume.generated,
+            "starting another attempt"
+        );
+        let placement = Placement {
+            // The decode worker that failed is avoided; a continuation goes back to the
+            // prefill worker that keeps the prompt's KV.
+            exclude: if migrating {
+                std::slice::from_ref(&old.worker)
+            } else {
+                &self.tried
+            },
+            forced: None,
+            prefer_prefill: if migrating {
+                old.prefill.as_deref()
+            } else {
+                None
+            },
+        };
+        let started = self
+            .shared
+            .start(&prompt, &self.params, resume, placement)
+            .await;
+        match started {
+            Ok(s) => {
+                if migrating {
+                    metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started").increment(1);
+                } else {
+                    metrics::counter!(m::ROUTER_RETRIES).increment(1);
+                }
+                self.tried
+                    .extend(s.prefill.iter().chain([&s.worker]).cloned());
+                self.current = Some(s);
+                Ok(())
+            }
+            Err(e) => Err(format!("{error}; another attempt failed: {e}")),
+        }
     }
 
     /// The next item; `Err` ends the request with that cause.
@@ -342,32 +418,17 @@ impl Generation {
                 }
             };
             if let Some(error) = item.error.clone() {
-                if self.tokens == 0 && !self.retried {
-                    self.retried = true;
-                    tracing::warn!(%error, "retrying on another worker before the first token");
-                    metrics::counter!(duet_runtime::metrics::ROUTER_RETRIES).increment(1);
-                    match self
-                        .shared
-                        .start(&self.prompt, &self.params, &self.tried, None)
-                        .await
-                    {
-                        Ok(s) => {
-                            self.tried
-                                .extend(s.prefill.iter().chain([&s.worker]).cloned());
-                            self.current = Some(s);
-                            continue;
-                        }
-                        Err(e) => {
-                            self.finished = true;
-                            return Some(Err(format!("{error}; retry failed: {e}")));
-                        }
+                match self.next_attempt(&error).await {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        self.finished = true;
+                        return Some(Err(e));
                     }
                 }
-                self.finished = true;
-                return Some(Err(error));
             }
-            if item.token.is_some() {
-                self.tokens += 1;
+            if let Some(token) = item.token {
+                self.generated.push(token);
+                self.emitted += item.text.len();
                 let now = std::time::Instant::now();
                 match self.last_token {
                     None => {
@@ -385,7 +446,7 @@ impl Generation {
             if let Some(reason) = item.finish {
                 self.finished = true;
                 metrics::histogram!(m::ROUTER_E2E).record(self.arrived.elapsed().as_secs_f64());
-                self.span.record("completion_tokens", self.tokens);
+                self.span.record("completion_tokens", self.generated.len());
                 self.span
                     .record("finish_reason", format!("{reason:?}").to_lowercase());
             }

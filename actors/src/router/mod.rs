@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::chat::ChatTemplate;
 use duet_engine::gguf::Gguf;
+use duet_engine::scheduler::Resume;
 use duet_engine::tokenizer::Tokenizer;
 use duet_engine::{SamplingParams, fetch};
 use duet_runtime::context::NodeContext;
@@ -50,8 +51,6 @@ pub struct RouterShared {
     workers: Mutex<HashMap<String, (LoadReport, Instant)>>,
     pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
-    /// Set when this incarnation's actor is gone: nothing would deliver to it any more.
-    closed: std::sync::atomic::AtomicBool,
 }
 
 struct Pending {
@@ -116,6 +115,7 @@ impl RouterShared {
         prompt_len: usize,
         exclude: &[String],
         forced: Option<&str>,
+        prefer_prefill: Option<&str>,
     ) -> Result<(String, Option<String>), String> {
         if let Some(pair) = forced {
             let (p, d) = pair.split_once(',').ok_or_else(|| {
@@ -135,8 +135,10 @@ impl RouterShared {
         }
         let compatible =
             |r: &LoadReport| r.kind == WorkerKind::Prefill && r.layout == decode.layout;
-        let prefill = self
-            .pick(|r| compatible(r) && !exclude.contains(&r.worker))
+        // A continuation goes back to the prefill worker that keeps its prompt's KV.
+        let prefill = prefer_prefill
+            .and_then(|p| self.pick(|r| compatible(r) && r.worker == p))
+            .or_else(|| self.pick(|r| compatible(r) && !exclude.contains(&r.worker)))
             .or_else(|| self.pick(compatible));
         match prefill {
             Some(p) => {
@@ -150,19 +152,21 @@ impl RouterShared {
         }
     }
 
-    /// Starts a request (on a decode worker not one of `exclude`); its items arrive on the
-    /// receiver.
+    /// Starts an attempt (on workers not in `placement.exclude` when there are others); its
+    /// items arrive on the receiver.
     async fn start(
         &self,
         prompt: &[u32],
         params: &SamplingParams,
-        exclude: &[String],
-        forced: Option<&str>,
+        resume: Resume,
+        placement: Placement<'_>,
     ) -> Result<Started, String> {
-        if self.closed.load(Ordering::SeqCst) {
-            return Err("router: the router actor restarted".to_string());
-        }
-        let (worker, prefill) = self.route(prompt.len(), exclude, forced)?;
+        let (worker, prefill) = self.route(
+            prompt.len(),
+            placement.exclude,
+            placement.forced,
+            placement.prefer_prefill,
+        )?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
         span.record("request", request);
@@ -197,6 +201,7 @@ impl RouterShared {
             prompt: prompt.to_vec(),
             params: params.clone(),
             prefill: peer.clone(),
+            resume,
         });
         let to_decode = self.ask(&worker, kinds::GENERATE, WORKER_SERVICE, body);
         let to_prefill = async {
@@ -207,6 +212,7 @@ impl RouterShared {
                         decode: worker.clone(),
                         prompt: prompt.to_vec(),
                         params: params.clone(),
+                        resume,
                     });
                     self.ask(&p.node, kinds::PREFILL, BOOTSTRAP_SERVICE, body)
                         .await
@@ -300,6 +306,19 @@ impl RouterShared {
         }
     }
 
+    /// Ends every attempt in flight with a cause that makes its request start another: what
+    /// was sent to the router while no actor listened is gone.
+    fn resync(&self) {
+        let lost: Vec<(u64, Pending)> = self.lock_pending().drain().collect();
+        for (request, p) in lost {
+            let _ = p.tx.send(TokenItem::failed(
+                request,
+                "router: the router actor restarted".to_string(),
+            ));
+            self.send_cancel(p.worker, request);
+        }
+    }
+
     /// Fails every request `worker` holds (it is down or restarted).
     fn fail_worker(&self, worker: &str, cause: &str) {
         let mut pending = self.lock_pending();
@@ -319,6 +338,17 @@ impl RouterShared {
     }
 }
 
+/// Where an attempt may go.
+#[derive(Default, Clone, Copy)]
+struct Placement<'a> {
+    /// Workers already tried (avoided while there are others).
+    exclude: &'a [String],
+    /// A pair the client named (`PREFILL,DECODE`).
+    forced: Option<&'a str>,
+    /// The prefill worker that keeps this prompt's KV (a continuation).
+    prefer_prefill: Option<&'a str>,
+}
+
 struct Started {
     request: u64,
     worker: String,
@@ -329,6 +359,14 @@ struct Started {
 
 /// The router actor.
 pub struct RouterActor;
+
+/// Makes `myself` the node's router service and subscribes it to membership.
+fn register(ctx: &NodeContext, myself: &ActorRef<RouterMsg>) {
+    ctx.services.register(ROUTER_SERVICE, myself.clone());
+    ctx.membership
+        .events
+        .subscribe(myself.clone(), |e| Some(RouterMsg::Membership(e)));
+}
 
 /// What the router actor handles.
 #[derive(Debug)]
@@ -341,40 +379,48 @@ pub enum RouterMsg {
 
 duet_runtime::inbound_message!(enum RouterMsg::Inbound);
 
-/// The running router: its shared state and its HTTP server (stopped on drop).
-pub struct RouterState {
-    shared: Arc<RouterShared>,
-    server: JoinHandle<()>,
+/// What outlives the router actor: its shared state and its HTTP server. The listening
+/// socket and the clients' open streams belong to the node, not to one incarnation of the
+/// actor, so killing the actor loses no connection: its successor takes them over and every
+/// request in flight continues as a new attempt (see [`RouterShared::resync`]).
+#[derive(Default)]
+pub struct RouterHome {
+    slot: Mutex<Option<Arc<RouterShared>>>,
+    server: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl Drop for RouterState {
+impl Drop for RouterHome {
     fn drop(&mut self) {
-        self.server.abort();
-        self.shared.closed.store(true, Ordering::SeqCst);
-        // Streams already open keep running on their connections, but nothing will deliver
-        // to this incarnation any more: end them now, with the cause, instead of at their
-        // deadline (their requests are cancelled on the workers).
-        let lost: Vec<(u64, Pending)> = self.shared.lock_pending().drain().collect();
-        for (request, p) in lost {
-            let _ = p.tx.send(TokenItem::failed(
-                request,
-                "router: the router actor restarted".to_string(),
-            ));
-            self.shared.send_cancel(p.worker, request);
+        if let Some(server) = self.server.get_mut().ok().and_then(Option::take) {
+            server.abort();
         }
     }
+}
+
+/// The running router incarnation.
+pub struct RouterState {
+    shared: Arc<RouterShared>,
 }
 
 impl Actor for RouterActor {
     type Msg = RouterMsg;
     type State = RouterState;
-    type Arguments = Arc<NodeContext>;
+    type Arguments = (Arc<NodeContext>, Arc<RouterHome>);
 
     async fn pre_start(
         &self,
         myself: ActorRef<RouterMsg>,
-        ctx: Arc<NodeContext>,
+        (ctx, home): (Arc<NodeContext>, Arc<RouterHome>),
     ) -> Result<RouterState, ActorProcessingErr> {
+        let kept = home.slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(shared) = kept {
+            // A restart: take over the predecessor's connections, then move every request
+            // it was serving to a new attempt (tokens sent while no actor listened are lost).
+            register(&ctx, &myself);
+            shared.resync();
+            tracing::info!("router restarted; requests in flight continue");
+            return Ok(RouterState { shared });
+        }
         let settings = ServingConfig::from_cluster(&ctx.config)?;
         let path = settings.model.clone();
         let (tokenizer, chat, max_context) = tokio::task::spawn_blocking(move || {
@@ -416,7 +462,6 @@ impl Actor for RouterActor {
             workers: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
-            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let app = http::app(shared.clone());
         let server = tokio::spawn(async move {
@@ -424,12 +469,11 @@ impl Actor for RouterActor {
                 tracing::error!(error = %e, "router HTTP server stopped");
             }
         });
-        ctx.services.register(ROUTER_SERVICE, myself.clone());
-        ctx.membership
-            .events
-            .subscribe(myself, |e| Some(RouterMsg::Membership(e)));
+        *home.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(shared.clone());
+        *home.server.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
+        register(&ctx, &myself);
         tracing::info!(http = %shared.settings.http, "router ready");
-        Ok(RouterState { shared, server })
+        Ok(RouterState { shared })
     }
 
     async fn post_stop(
