@@ -137,7 +137,7 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
                 {
                     Err(_) => Outcome::Unfinished,
                     Ok(r) => match r.error {
-                        Some(e) => Outcome::Failed(phase_of(&e)),
+                        Some(e) => Outcome::Failed(e),
                         None if r.text == expected[i] => Outcome::Succeeded,
                         None => Outcome::Corrupted,
                     },
@@ -216,9 +216,15 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
     let outcomes = outcomes.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let count = |f: &dyn Fn(&Outcome) -> bool| outcomes.iter().filter(|o| f(o)).count();
     let mut by_phase: BTreeMap<String, usize> = BTreeMap::new();
+    // A few whole messages, so a failure can be read without the cluster's logs.
+    let mut errors: Vec<String> = Vec::new();
     for o in &outcomes {
-        if let Outcome::Failed(p) = o {
-            *by_phase.entry(p.clone()).or_default() += 1;
+        if let Outcome::Failed(e) = o {
+            *by_phase.entry(phase_of(e)).or_default() += 1;
+            let e: String = e.chars().take(300).collect();
+            if errors.len() < 8 && !errors.contains(&e) {
+                errors.push(e);
+            }
         }
     }
     let requests = outcomes.len();
@@ -232,6 +238,7 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
         "stranded_pages": stranded.map_or(-1, |s| s as i64),
         "success_rate": if requests > 0 { succeeded as f64 / requests as f64 } else { 0.0 },
         "failed_by_phase": by_phase,
+        "errors": errors,
         "kills": kills,
         "restarts_by_kind": restarts,
         "load_seconds": load_seconds,

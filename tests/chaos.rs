@@ -1,5 +1,6 @@
 //! `duet chaos` against a live disaggregated cluster with the real model: a serving actor
-//! killed every 2 s under load; nothing unfinished, nothing corrupted, no page stranded.
+//! killed every 2 s under load; nothing unfinished, nothing corrupted, no page stranded, and
+//! at least 99 % of the requests succeed.
 
 mod common;
 
@@ -47,7 +48,9 @@ async fn chaos_under_load_loses_nothing() {
     assert_eq!(report["unfinished"], 0, "{report}");
     assert_eq!(report["corrupted"], 0, "{report}");
     assert_eq!(report["stranded_pages"], 0, "{report}");
-    assert!(report["succeeded"].as_u64() > Some(0), "{report}");
+    // Retries, migration and the router's restart without losing streams: at least 99 %.
+    let rate = report["success_rate"].as_f64().unwrap_or(0.0);
+    assert!(rate >= 0.99, "success rate {rate}: {report}");
     let kills: u64 = report["kills"]
         .as_object()
         .map(|k| k.values().filter_map(Value::as_u64).sum())

@@ -1118,7 +1118,10 @@ impl DecodeCore {
 
     /// A prefill worker is gone: nothing of it can write any more.
     fn peer_gone(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
-        self.ready.remove(node);
+        // The node stays ready: its layout hello holds for its next worker incarnation (a
+        // node that is really gone is marked down by membership, which forgets the hello).
+        // Dropping it here without the actor forgetting the hello stalled every later
+        // request for this node until its bootstrap deadline.
         let now = self.now_ms();
         for t in self.take_transfers(node) {
             let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);

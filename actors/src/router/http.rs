@@ -285,6 +285,8 @@ struct Generation {
     tried: Vec<String>,
     /// Attempts left after this one (none for a pair the client forced).
     attempts_left: usize,
+    /// Tokens the client had when the current attempt started.
+    progress_mark: usize,
     /// Tokens the client has, and the bytes of their text.
     generated: Vec<u32>,
     emitted: usize,
@@ -324,6 +326,7 @@ impl Generation {
             } else {
                 shared.settings.retries
             },
+            progress_mark: 0,
             current: Some(started),
             shared,
             prompt,
@@ -340,10 +343,17 @@ impl Generation {
     /// Starts the next attempt after `error` ended the current one; `Err` when there is none.
     async fn next_attempt(&mut self, error: &str) -> Result<(), String> {
         let migrating = !self.generated.is_empty();
-        if self.attempts_left == 0 || (migrating && !self.shared.settings.migration) {
+        // The budget bounds attempts that fail without progress (a request that crashes
+        // every worker it meets). The router's own restart is not the request's failure, and
+        // an attempt that streamed tokens made progress: neither costs an attempt.
+        let free = error == super::RESYNC || self.generated.len() > self.progress_mark;
+        if (self.attempts_left == 0 && !free) || (migrating && !self.shared.settings.migration) {
             return Err(error.to_string());
         }
-        self.attempts_left -= 1;
+        if !free {
+            self.attempts_left -= 1;
+        }
+        self.progress_mark = self.generated.len();
         let Some(old) = self.current.take() else {
             return Err(error.to_string());
         };

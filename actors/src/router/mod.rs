@@ -38,6 +38,9 @@ use crate::protocol::{
 };
 use crate::settings::ServingConfig;
 
+/// Why [`RouterShared::resync`] ended an attempt (its request starts another, free of charge).
+const RESYNC: &str = "router: the router actor restarted";
+
 /// A load report older than this no longer counts: the worker is not routed to.
 const LOAD_STALE: Duration = Duration::from_secs(3);
 
@@ -311,10 +314,7 @@ impl RouterShared {
     fn resync(&self) {
         let lost: Vec<(u64, Pending)> = self.lock_pending().drain().collect();
         for (request, p) in lost {
-            let _ = p.tx.send(TokenItem::failed(
-                request,
-                "router: the router actor restarted".to_string(),
-            ));
+            let _ = p.tx.send(TokenItem::failed(request, RESYNC.to_string()));
             self.send_cancel(p.worker, request);
         }
     }
