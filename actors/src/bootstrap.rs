@@ -60,6 +60,8 @@ pub struct BootstrapState {
     /// Rooms aborted before both halves met (the late half is dropped on arrival).
     dropped: HashMap<u64, Instant>,
     ticker: JoinHandle<()>,
+    /// Requests queued here, for the node's drain probe.
+    queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Drop for BootstrapState {
@@ -90,7 +92,13 @@ impl Actor for Bootstrap {
             }
         });
         ctx.services.register(BOOTSTRAP_SERVICE, myself);
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let probe = queued.clone();
+        ctx.drain.set_probe("bootstrap", move || {
+            probe.load(std::sync::atomic::Ordering::Relaxed)
+        });
         Ok(BootstrapState {
+            queued,
             ctx,
             settings,
             host: duet_transport::host_id(),
@@ -125,6 +133,9 @@ impl Actor for Bootstrap {
             BootstrapMsg::Tick => state.expire().await,
         }
         metrics::gauge!(m::BOOTSTRAP_QUEUE).set(state.requests.len() as f64);
+        state
+            .queued
+            .store(state.requests.len(), std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }

@@ -242,6 +242,7 @@ impl Actor for DecodeWorker {
                 .spawn(move || core.run(cmd_rx))?;
         }
         let forwarder = tokio::spawn(forward_tokens(ctx.clone(), incarnation, out_rx));
+        install_drain_probe(&ctx, "decode worker", &load, settings.shutdown_drain);
         let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
         ctx.services.register(WORKER_SERVICE, myself.clone());
         ctx.membership
@@ -1301,6 +1302,7 @@ impl DecodeCore {
                 .sum::<usize>();
         l.waiting = waiting + self.prealloc.len() + self.transfers.len();
         l.running = running;
+        l.in_flight = self.seqs.len();
         l.free_pages = stats.free;
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
@@ -1342,6 +1344,20 @@ pub(crate) async fn forward_tokens(
     }
 }
 
+/// Lets a draining node wait for the requests this worker holds.
+pub(crate) fn install_drain_probe(
+    ctx: &NodeContext,
+    name: &str,
+    load: &Arc<Mutex<LoadReport>>,
+    timeout: Duration,
+) {
+    let load = load.clone();
+    ctx.drain.set_timeout(timeout);
+    ctx.drain.set_probe(name, move || {
+        load.lock().unwrap_or_else(|p| p.into_inner()).in_flight
+    });
+}
+
 /// Tells every router this worker's load, every `interval`.
 pub(crate) async fn report_load(
     ctx: Arc<NodeContext>,
@@ -1358,7 +1374,8 @@ pub(crate) async fn report_load(
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
-        let report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        report.draining = ctx.drain.is_draining();
         metrics::gauge!(m::KV_PAGES_TOTAL).set(report.total_pages as f64);
         metrics::gauge!(m::KV_PAGES_FREE).set(report.free_pages as f64);
         metrics::gauge!(m::KV_PAGES_CACHED).set(report.cached_pages as f64);

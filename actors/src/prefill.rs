@@ -36,7 +36,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
 use tokio::task::JoinHandle;
 
-use crate::decode::{engine_options, layout_info, load_model, report_load};
+use crate::decode::{engine_options, install_drain_probe, layout_info, load_model, report_load};
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
     Abort, AbortAck, ChunkWritten, Heartbeat, LayoutHello, LayoutInfo, LoadReport, PREFILL_SERVICE,
@@ -170,6 +170,7 @@ impl Actor for PrefillWorker {
                 .name(format!("duet-prefill-{node}"))
                 .spawn(move || core.run(cmd_rx))?;
         }
+        install_drain_probe(&ctx, "prefill worker", &load, settings.shutdown_drain);
         let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
         let heartbeat = tokio::spawn(heartbeats(ctx.clone(), settings.load_interval, incarnation));
         ctx.services.register(PREFILL_SERVICE, myself);
@@ -686,6 +687,7 @@ impl PrefillCore {
         l.queued_tokens = runner.scheduler.queued_tokens();
         l.waiting = waiting;
         l.running = running;
+        l.in_flight = self.flights.len() + waiting + running;
         l.free_pages = stats.free;
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);

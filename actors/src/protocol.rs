@@ -383,6 +383,8 @@ impl LoadReport {
             pinned_pages: 0,
             cached_pages: 0,
             quarantined_pages: 0,
+            in_flight: 0,
+            draining: false,
         }
     }
 }
@@ -416,6 +418,12 @@ pub struct LoadReport {
     pub waiting: usize,
     /// Sequences running.
     pub running: usize,
+    /// Requests the worker holds in any state (what a graceful drain waits for).
+    #[serde(default)]
+    pub in_flight: usize,
+    /// The node is draining: route nothing new to it.
+    #[serde(default)]
+    pub draining: bool,
     /// Free KV pages.
     pub free_pages: usize,
     /// All KV pages.

@@ -27,4 +27,6 @@ pub struct NodeContext {
     pub membership: Arc<MembershipView>,
     /// Random id of this process's life; peers see a new one after a restart.
     pub incarnation: u64,
+    /// Graceful drain (SIGTERM): the flag actors check, and their work probes.
+    pub drain: crate::drain::Drain,
 }

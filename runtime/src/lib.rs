@@ -30,6 +30,7 @@ pub mod admin;
 pub mod config;
 pub mod context;
 pub mod credentials;
+pub mod drain;
 pub mod echo;
 pub mod link;
 pub mod membership;

@@ -151,6 +151,7 @@ impl Node {
             membership: Arc::new(MembershipView::new(peers.iter().map(String::as_str))),
             services: Services::default(),
             incarnation: rand::rng().random(),
+            drain: crate::drain::Drain::default(),
             endpoint,
             credentials,
             me: me.clone(),
@@ -217,7 +218,19 @@ impl Node {
             _ = &mut self.root_done => Exit::RootEscalated,
         };
         match exit {
-            Exit::Drained => tracing::info!(node = %self.ctx.me.name, "draining"),
+            Exit::Drained => {
+                // Admit nothing new, finish what is in flight (up to the drain timeout).
+                let drain = &self.ctx.drain;
+                drain.start();
+                tracing::info!(node = %self.ctx.me.name, timeout = ?drain.timeout(), "draining");
+                let left = drain.wait_idle().await;
+                if left.is_empty() {
+                    tracing::info!(node = %self.ctx.me.name, "drained: no request in flight");
+                } else {
+                    metrics::counter!(crate::metrics::DRAIN_TIMEOUTS).increment(1);
+                    tracing::warn!(node = %self.ctx.me.name, ?left, "drain timeout passed with requests in flight");
+                }
+            }
             Exit::RootEscalated => {
                 tracing::error!(node = %self.ctx.me.name, "the root supervisor gave up; stopping the node")
             }

@@ -305,6 +305,13 @@ impl Generation {
         forced: Option<String>,
     ) -> Result<Generation, ApiError> {
         let arrived = std::time::Instant::now();
+        if shared.ctx.drain.is_draining() {
+            return Err(ApiError::server(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "router: this router is draining (shutting down); send the request to another"
+                    .to_string(),
+            ));
+        }
         let placement = Placement {
             forced: forced.as_deref(),
             ..Placement::default()
@@ -313,6 +320,9 @@ impl Generation {
             .start(&prompt, &params, Resume::default(), placement)
             .await
             .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
+        shared
+            .open
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(Generation {
             tried: started
                 .prefill
@@ -467,6 +477,9 @@ impl Generation {
 
 impl Drop for Generation {
     fn drop(&mut self) {
+        self.shared
+            .open
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         if let (false, Some(s)) = (self.finished, &self.current) {
             self.shared.cancel(s.request);
         }

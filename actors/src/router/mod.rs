@@ -54,6 +54,8 @@ pub struct RouterShared {
     workers: Mutex<HashMap<String, (LoadReport, Instant)>>,
     pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
+    /// Requests being answered (what a graceful drain waits for).
+    open: std::sync::atomic::AtomicUsize,
 }
 
 struct Pending {
@@ -77,7 +79,9 @@ impl RouterShared {
         self.lock_workers()
             .values()
             .filter(|(r, seen)| {
-                now.duration_since(*seen) < LOAD_STALE && self.ctx.membership.is_up(&r.worker)
+                now.duration_since(*seen) < LOAD_STALE
+                    && !r.draining
+                    && self.ctx.membership.is_up(&r.worker)
             })
             .map(|(r, _)| r.clone())
             .collect()
@@ -462,6 +466,12 @@ impl Actor for RouterActor {
             workers: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
+            open: std::sync::atomic::AtomicUsize::new(0),
+        });
+        ctx.drain.set_timeout(shared.settings.shutdown_drain);
+        let weak = Arc::downgrade(&shared);
+        ctx.drain.set_probe("router", move || {
+            weak.upgrade().map_or(0, |s| s.open.load(Ordering::SeqCst))
         });
         let app = http::app(shared.clone());
         let server = tokio::spawn(async move {

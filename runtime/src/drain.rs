@@ -1,0 +1,133 @@
+//! Graceful drain: what a node does between SIGTERM and exit.
+//!
+//! On SIGTERM the node marks itself draining. Serving actors see the flag (workers put it in
+//! their load reports, so routers stop sending them new requests; a router answers new HTTP
+//! requests 503) and report, through probes, how much work they still hold. The node exits
+//! once every probe has read zero for a quiet window (requests sent just before the routers
+//! learned of the drain still arrive and are served), or when the drain timeout passes.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How long every probe must read zero before the node counts as idle: several load-report
+/// intervals, so that a request routed just before the drain was seen has arrived.
+pub const QUIET_WINDOW: Duration = Duration::from_millis(600);
+
+/// A probe: how many requests an actor still holds.
+type Probe = Box<dyn Fn() -> usize + Send + Sync>;
+
+/// A node's drain state (one per node, in its context).
+pub struct Drain {
+    draining: AtomicBool,
+    timeout_ms: AtomicU64,
+    probes: Mutex<BTreeMap<String, Probe>>,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain {
+            draining: AtomicBool::new(false),
+            timeout_ms: AtomicU64::new(30_000),
+            probes: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+impl Drain {
+    /// Whether the node is draining (admits nothing new).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Starts draining.
+    pub fn start(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// The longest the node waits for its work (`serving.shutdown_drain_secs`, set by the
+    /// serving actors; 30 s until then).
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets the drain timeout.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ms
+            .store(timeout.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Installs (or replaces, for a restarted actor) the probe named `name`.
+    pub fn set_probe(&self, name: &str, probe: impl Fn() -> usize + Send + Sync + 'static) {
+        self.lock().insert(name.to_string(), Box::new(probe));
+    }
+
+    /// Work held now, by probe (only those holding some).
+    pub fn busy(&self) -> BTreeMap<String, usize> {
+        self.lock()
+            .iter()
+            .map(|(name, probe)| (name.clone(), probe()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Waits until every probe has read zero for [`QUIET_WINDOW`], or the timeout passes;
+    /// returns what was still held then (empty when the drain completed).
+    pub async fn wait_idle(&self) -> BTreeMap<String, usize> {
+        let deadline = tokio::time::Instant::now() + self.timeout();
+        let mut quiet_since: Option<tokio::time::Instant> = None;
+        loop {
+            let now = tokio::time::Instant::now();
+            let busy = self.busy();
+            if busy.is_empty() {
+                let since = *quiet_since.get_or_insert(now);
+                if now.duration_since(since) >= QUIET_WINDOW {
+                    return busy;
+                }
+            } else {
+                quiet_since = None;
+            }
+            if now >= deadline {
+                return busy;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Probe>> {
+        self.probes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    #[tokio::test(start_paused = true)]
+    async fn waits_for_the_probes_then_a_quiet_window() {
+        let drain = Drain::default();
+        let held = Arc::new(AtomicUsize::new(2));
+        let h = held.clone();
+        drain.set_probe("worker", move || h.load(Ordering::SeqCst));
+        let start = tokio::time::Instant::now();
+        let release = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            held.store(0, Ordering::SeqCst);
+        };
+        let (left, ()) = tokio::join!(drain.wait_idle(), release);
+        assert!(left.is_empty());
+        assert!(start.elapsed() >= Duration::from_secs(1) + QUIET_WINDOW);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_at_the_timeout_and_says_what_was_held() {
+        let drain = Drain::default();
+        drain.set_timeout(Duration::from_secs(2));
+        drain.set_probe("worker", || 3);
+        let left = drain.wait_idle().await;
+        assert_eq!(left.get("worker"), Some(&3));
+    }
+}
