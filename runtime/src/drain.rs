@@ -106,7 +106,7 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn waits_for_the_probes_then_a_quiet_window() {
         let drain = Drain::default();
         let held = Arc::new(AtomicUsize::new(2));
@@ -114,18 +114,18 @@ mod tests {
         drain.set_probe("worker", move || h.load(Ordering::SeqCst));
         let start = tokio::time::Instant::now();
         let release = async {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
             held.store(0, Ordering::SeqCst);
         };
         let (left, ()) = tokio::join!(drain.wait_idle(), release);
         assert!(left.is_empty());
-        assert!(start.elapsed() >= Duration::from_secs(1) + QUIET_WINDOW);
+        assert!(start.elapsed() >= Duration::from_millis(200) + QUIET_WINDOW);
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn gives_up_at_the_timeout_and_says_what_was_held() {
         let drain = Drain::default();
-        drain.set_timeout(Duration::from_secs(2));
+        drain.set_timeout(Duration::from_millis(300));
         drain.set_probe("worker", || 3);
         let left = drain.wait_idle().await;
         assert_eq!(left.get("worker"), Some(&3));
