@@ -10,6 +10,9 @@ use common::*;
 use duet_engine::fetch;
 use serde_json::{Value, json};
 
+/// One cluster at a time: three clusters on two cores turn timing into noise.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn real_model() -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("models")
@@ -62,6 +65,7 @@ async fn complete(http: u16, body: Value) -> Result<String, String> {
 /// and no request fails.
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_on_a_prefill_node_under_load_fails_nothing() {
+    let _serial = SERIAL.lock().await;
     let http = free_ports(1)[0];
     let c = ClusterDir::new(
         &[
@@ -130,4 +134,156 @@ async fn sigterm_on_a_prefill_node_under_load_fails_nothing() {
         "p1 drained in {drain_took:?} after {served_before} chunks; {} requests, none failed",
         results.len()
     );
+}
+
+/// Everything in flight has drained on `nodes`: no queue, no sequence, no pinned or
+/// quarantined page, every page free or held only by a prefix cache.
+async fn assert_quiet(c: &ClusterDir, nodes: &[&str]) {
+    const HELD: [&str; 6] = [
+        "duet_kv_pages_pinned",
+        "duet_kv_pages_quarantined",
+        "duet_sequences_running",
+        "duet_sequences_waiting",
+        "duet_bootstrap_queue",
+        "duet_prealloc_queue",
+    ];
+    let token = c.token();
+    for &node in nodes {
+        let addr = c.admin(node);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut held = Vec::new();
+            for name in HELD {
+                let v = metric(addr, &token, name, "").await;
+                if v != 0.0 {
+                    held.push(format!("{name}={v}"));
+                }
+            }
+            let total = metric(addr, &token, "duet_kv_pages_total", "").await;
+            let free = metric(addr, &token, "duet_kv_pages_free", "").await;
+            let cached = metric(addr, &token, "duet_kv_pages_cached", "").await;
+            if total == 0.0 || free + cached != total {
+                held.push(format!("pages total={total} free={free} cached={cached}"));
+            }
+            if held.is_empty() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{node} still holds after 30 s: {held:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Issue 8, test 4 (and 3): 32 streaming clients leave at staggered moments, so they leave
+/// while waiting for pages, during prefill, during the transfer and during decode. Then three
+/// probes succeed and every queue, gauge and pool on both sides is back to idle.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_storm_of_32_cancellations_leaves_nothing_behind() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(http, ""),
+    );
+    let _up = Running::up(&c.config).await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    let mut curls = Vec::new();
+    for i in 0..32 {
+        let body = json!({"prompt": long_prompt(i), "max_tokens": 64, "ignore_eos": true,
+                          "stream": true});
+        curls.push(
+            tokio::process::Command::new("curl")
+                .args(["-s", "-N", "--max-time", "300", "-H"])
+                .arg("content-type: application/json")
+                .arg("-d")
+                .arg(body.to_string())
+                .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("curl"),
+        );
+    }
+    poll("prefill under way", Duration::from_secs(60), || async {
+        (metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await >= 1.0).then_some(())
+    })
+    .await;
+    for mut curl in curls {
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        curl.kill().await.expect("kill curl");
+    }
+    let aborted = metric(
+        c.admin("d0"),
+        &token,
+        "duet_transfers_total",
+        "outcome=\"aborted\"",
+    )
+    .await;
+    for i in 0..3 {
+        let probe = json!({"prompt": format!("Probe {i}: name a colour."), "max_tokens": 4});
+        let answer = complete(http, probe).await;
+        assert!(answer.is_ok(), "probe {i}: {answer:?}");
+    }
+    assert_quiet(&c, &["p0", "d0"]).await;
+    eprintln!("{aborted} transfers aborted on decode");
+}
+
+/// Issue 8, test 9: a prefill node stopped (SIGSTOP) past its heartbeat deadline: the request
+/// it held fails fast with a phase-named error; after SIGCONT it rejoins, serves again, and
+/// the pages its stalled write could have touched come back only after it answered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_prefill_node_fails_its_rooms_fast_and_rejoins() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &format!(
+            "{}\n[membership]\nheartbeat_interval_ms = 100\nfailure_threshold = 10\n",
+            serving(http, "")
+        ),
+    );
+    c.credentials(&c.config).await;
+    let _router = Running::node(&c.config, "router").await;
+    let _d0 = Running::node(&c.config, "d0").await;
+    let p0 = Running::node(&c.config, "p0").await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    // With a 1 s heartbeat deadline, membership may flap while the links come up: wait until
+    // the pair serves.
+    let warm = json!({"prompt": long_prompt(6), "max_tokens": 1, "duet_pair": "p0,d0"});
+    poll("p0,d0 serving", Duration::from_secs(60), || async {
+        complete(http, warm.clone()).await.ok()
+    })
+    .await;
+    let body = json!({"prompt": long_prompt(7).repeat(4), "max_tokens": 4, "duet_pair": "p0,d0"});
+    let request = tokio::spawn(complete(http, body));
+    poll("p0 prefilling", Duration::from_secs(60), || async {
+        (metric(c.admin("p0"), &token, "duet_sequences_running", "").await >= 1.0).then_some(())
+    })
+    .await;
+    let pid = nix::unistd::Pid::from_raw(p0.pid());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    let stopped = std::time::Instant::now();
+    let answer = request.await.expect("request");
+    let took = stopped.elapsed();
+    let error = answer.expect_err("the request held by a stopped node cannot succeed");
+    assert!(error.contains("p0"), "{error}");
+    // The heartbeat deadline is 1 s; the error must come well before any request timeout.
+    assert!(took < Duration::from_secs(10), "the error took {took:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).expect("SIGCONT");
+    router_ready(http, 2).await;
+    let again = json!({"prompt": long_prompt(8), "max_tokens": 4, "duet_pair": "p0,d0"});
+    let answer = poll("p0 serving again", Duration::from_secs(60), || async {
+        complete(http, again.clone()).await.ok()
+    })
+    .await;
+    assert!(!answer.is_empty());
+    assert_quiet(&c, &["p0", "d0"]).await;
+    eprintln!("the stopped node's request failed after {took:?}: {error}");
+    drop(p0);
 }

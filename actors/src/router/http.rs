@@ -313,11 +313,11 @@ impl Generation {
             ));
         }
         let placement = Placement {
-            forced: forced.as_deref(),
+            forced: forced.clone(),
             ..Placement::default()
         };
         let started = shared
-            .start(&prompt, &params, Resume::default(), placement)
+            .start(prompt.clone(), params.clone(), Resume::default(), placement)
             .await
             .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
         shared
@@ -386,20 +386,16 @@ impl Generation {
             // The decode worker that failed is avoided; a continuation goes back to the
             // prefill worker that keeps the prompt's KV.
             exclude: if migrating {
-                std::slice::from_ref(&old.worker)
+                vec![old.worker.clone()]
             } else {
-                &self.tried
+                self.tried.clone()
             },
             forced: None,
-            prefer_prefill: if migrating {
-                old.prefill.as_deref()
-            } else {
-                None
-            },
+            prefer_prefill: if migrating { old.prefill.clone() } else { None },
         };
         let started = self
             .shared
-            .start(&prompt, &self.params, resume, placement)
+            .start(prompt, self.params.clone(), resume, placement)
             .await;
         match started {
             Ok(s) => {

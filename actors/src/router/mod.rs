@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
+    Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
     ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
@@ -161,18 +161,46 @@ impl RouterShared {
 
     /// Starts an attempt (on workers not in `placement.exclude` when there are others); its
     /// items arrive on the receiver.
+    ///
+    /// The start runs to its end even if the caller goes away (a client that disconnects
+    /// while its halves are being sent): stopping halfway could leave one half on a worker
+    /// that nobody would cancel before its deadline. An attempt started for nobody is
+    /// cancelled at once.
     async fn start(
+        self: &Arc<Self>,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        resume: Resume,
+        placement: Placement,
+    ) -> Result<Started, String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let shared = self.clone();
+        let task = async move {
+            let started = shared.start_now(&prompt, &params, resume, &placement).await;
+            if let Err(Ok(s)) = tx.send(started) {
+                shared.cancel(s.request);
+            }
+        };
+        tokio::spawn(tracing::Instrument::instrument(
+            task,
+            tracing::Span::current(),
+        ));
+        rx.await
+            .map_err(|_| "router: the attempt's start was lost".to_string())?
+    }
+
+    async fn start_now(
         &self,
         prompt: &[u32],
         params: &SamplingParams,
         resume: Resume,
-        placement: Placement<'_>,
+        placement: &Placement,
     ) -> Result<Started, String> {
         let (worker, prefill) = self.route(
             prompt.len(),
-            placement.exclude,
-            placement.forced,
-            placement.prefer_prefill,
+            &placement.exclude,
+            placement.forced.as_deref(),
+            placement.prefer_prefill.as_deref(),
         )?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
@@ -254,6 +282,19 @@ impl RouterShared {
             }
             Err(e) => {
                 self.lock_pending().remove(&request);
+                if let Some(p) = &peer {
+                    // Decode will send no notice: prefill's bootstrap drops its half now
+                    // rather than at its deadline.
+                    let body = wire::encode_body(&Abort {
+                        room: p.room,
+                        attempt: None,
+                    });
+                    if let Ok(link) = self.ctx.links.get(&p.node) {
+                        let _ = link
+                            .send(kinds::ABORT, ROUTER_SERVICE, BOOTSTRAP_SERVICE, body)
+                            .await;
+                    }
+                }
                 Err(format!("worker {worker} refused the request: {e}"))
             }
         }
@@ -343,14 +384,14 @@ impl RouterShared {
 }
 
 /// Where an attempt may go.
-#[derive(Default, Clone, Copy)]
-struct Placement<'a> {
+#[derive(Default, Clone)]
+struct Placement {
     /// Workers already tried (avoided while there are others).
-    exclude: &'a [String],
+    exclude: Vec<String>,
     /// A pair the client named (`PREFILL,DECODE`).
-    forced: Option<&'a str>,
+    forced: Option<String>,
     /// The prefill worker that keeps this prompt's KV (a continuation).
-    prefer_prefill: Option<&'a str>,
+    prefer_prefill: Option<String>,
 }
 
 struct Started {
