@@ -287,3 +287,74 @@ async fn a_stopped_prefill_node_fails_its_rooms_fast_and_rejoins() {
     eprintln!("the stopped node's request failed after {took:?}: {error}");
     drop(p0);
 }
+
+/// Issue 8, test 7: every run of pages fails with probability 5 % during a load run. Nothing
+/// crashes; every request either completes (its failed attempts retried) or fails with a
+/// phase-named error; no page leaks on either side.
+#[tokio::test(flavor = "multi_thread")]
+async fn transfers_failing_at_random_are_retried_or_failed_cleanly() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(http, ""),
+    );
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[("DUET_FAULT_TRANSFER_FAIL_RATE", "0.05")],
+    )
+    .await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    let mut clients = Vec::new();
+    for client in 0..4 {
+        clients.push(tokio::spawn(async move {
+            let mut results = Vec::new();
+            for i in 0..6 {
+                let body = json!({"prompt": long_prompt(client * 100 + i), "max_tokens": 4,
+                                  "temperature": 0});
+                results.push(complete(http, body).await);
+            }
+            results
+        }));
+    }
+    let mut results = Vec::new();
+    for c in clients {
+        results.extend(c.await.expect("client"));
+    }
+    for r in &results {
+        if let Err(e) = r {
+            assert!(
+                e.contains("HTTP 503") && e.contains("transfer"),
+                "not a clean failure: {e}"
+            );
+        }
+    }
+    let failed_runs = metric(
+        c.admin("d0"),
+        &token,
+        "duet_transfers_total",
+        "outcome=\"failed\"",
+    )
+    .await
+        + metric(
+            c.admin("d0"),
+            &token,
+            "duet_transfers_total",
+            "outcome=\"aborted\"",
+        )
+        .await;
+    assert!(
+        failed_runs >= 1.0,
+        "no transfer failed: the fault was not injected"
+    );
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    assert_quiet(&c, &["p0", "d0"]).await;
+    // The cluster still serves.
+    router_ready(http, 2).await;
+    eprintln!(
+        "{ok} of {} requests completed; {failed_runs} transfers failed and were drained",
+        results.len()
+    );
+}

@@ -147,6 +147,11 @@ impl Actor for PrefillWorker {
                     .ok()
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0),
+                fail_rate: std::env::var("DUET_FAULT_TRANSFER_FAIL_RATE")
+                    .ok()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .filter(|p| (0.0..=1.0).contains(p))
+                    .unwrap_or(0.0),
             };
             std::thread::Builder::new()
                 .name(format!("duet-kv-sender-{node}"))
@@ -714,6 +719,9 @@ struct KvSender {
     /// Fault injection (`DUET_FAULT_CORRUPT_KV=N`): corrupt one byte of the first run of the
     /// next N transfers after writing it, to prove decode's check catches it.
     corrupt: u32,
+    /// Fault injection (`DUET_FAULT_TRANSFER_FAIL_RATE=P`): each run of pages fails with
+    /// probability P after its bytes were written (a transport that broke mid-transfer).
+    fail_rate: f64,
 }
 
 #[derive(Default)]
@@ -968,11 +976,23 @@ impl KvSender {
     ) -> Result<u64, String> {
         let (memory, layout) = (self.memory.clone(), self.layout);
         let link = self.link(to)?;
-        let result = match layer {
+        let mut result = match layer {
             None => link.write(to.attempt, &memory, &layout, runs),
             Some(l) => link.write_layer(to.attempt, &memory, &layout, runs, l),
         }
         .map_err(|e| e.to_string());
+        // Once per run: a layer-by-layer run draws at its first layer only.
+        if self.fail_rate > 0.0
+            && result.is_ok()
+            && layer.is_none_or(|l| l == 0)
+            && rand::random::<f64>() < self.fail_rate
+        {
+            tracing::warn!(
+                attempt = to.attempt,
+                "fault injection: a run of pages failed"
+            );
+            result = Err("fault injection: the transport failed mid-run".to_string());
+        }
         if result.is_err() {
             self.links
                 .remove(&(to.node.clone(), to.incarnation, to.backend));
