@@ -358,3 +358,124 @@ async fn transfers_failing_at_random_are_retried_or_failed_cleanly() {
         results.len()
     );
 }
+
+/// What `duet generate` (the engine alone, in its own process) answers, greedily.
+async fn generate_reference(prompt: &str, max_tokens: usize) -> String {
+    let out = duet(&[
+        "generate",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max_tokens.to_string(),
+        "--ignore-eos",
+        "--threads",
+        "1",
+        "--json",
+    ])
+    .await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
+    v["text"].as_str().expect("text").to_string()
+}
+
+/// The decode worker holding a request in flight (it counts transfers as waiting).
+async fn decode_holding(c: &ClusterDir, token: &str) -> Option<&'static str> {
+    for d in ["d0", "d1"] {
+        let held = metric(c.admin(d), token, "duet_sequences_waiting", "").await
+            + metric(c.admin(d), token, "duet_sequences_running", "").await;
+        if held >= 1.0 {
+            return Some(d);
+        }
+    }
+    None
+}
+
+/// Issue 8, test 2: kill decode during the KV transfer; kill decode after the transfer but
+/// before its first decode step (the transfer is held complete and unpublished by a test
+/// hook); kill prefill mid-prefill; kill prefill mid-transfer. Each request completes, through
+/// another attempt, with the text `duet generate` gives; then both sides are idle.
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_either_side_in_each_phase_loses_no_request() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[
+            ("router", "router"),
+            ("p0", "prefill"),
+            ("d0", "decode"),
+            ("d1", "decode"),
+        ],
+        &serving(http, ""),
+    );
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[("DUET_FAULT_HOLD_DONE_MS", "3000")],
+    )
+    .await;
+    router_ready(http, 3).await;
+    let token = c.token();
+    let scenarios = [
+        "decode during the transfer",
+        "decode after the transfer, before its first step",
+        "prefill mid-prefill",
+        "prefill mid-transfer",
+    ];
+    for (i, scenario) in scenarios.into_iter().enumerate() {
+        let prompt = long_prompt(9000 + i);
+        let want = generate_reference(&prompt, 16).await;
+        let sent = |what: &'static str| metric(c.admin("p0"), &token, what, "");
+        let bytes_before = sent("duet_kv_bytes_sent_total").await;
+        let done_before = metric(
+            c.admin("p0"),
+            &token,
+            "duet_transfers_total",
+            "outcome=\"completed\"",
+        )
+        .await;
+        let body = json!({"prompt": prompt, "max_tokens": 16, "ignore_eos": true,
+                          "temperature": 0});
+        let request = tokio::spawn(complete(http, body));
+        let target = poll(scenario, Duration::from_secs(60), || async {
+            let bytes = sent("duet_kv_bytes_sent_total").await;
+            let done = metric(
+                c.admin("p0"),
+                &token,
+                "duet_transfers_total",
+                "outcome=\"completed\"",
+            )
+            .await;
+            let prefilling =
+                metric(c.admin("p0"), &token, "duet_sequences_running", "").await >= 1.0;
+            let (streaming, complete) = (bytes > bytes_before, done > done_before);
+            match i {
+                0 if streaming && !complete => decode_holding(&c, &token)
+                    .await
+                    .map(|d| format!("{d}/decode/worker")),
+                1 if complete => decode_holding(&c, &token)
+                    .await
+                    .map(|d| format!("{d}/decode/worker")),
+                // The first look at a prompt being computed (pages may already stream).
+                2 if prefilling && !complete => Some("p0/prefill/worker".to_string()),
+                3 if streaming && !complete => Some("p0/prefill/worker".to_string()),
+                _ => None,
+            }
+        })
+        .await;
+        let out = duet(&["kill", "--config", path_str(&c.config), &target]).await;
+        assert!(out.status.success(), "{}", out.stderr);
+        let answer = request.await.expect("request");
+        assert_eq!(answer.as_deref(), Ok(want.as_str()), "kill {scenario}");
+        eprintln!("kill {scenario} ({target}): completed, equal to duet generate");
+    }
+    let moved = metric(c.admin("router"), &token, "duet_router_retries_total", "").await
+        + metric(
+            c.admin("router"),
+            &token,
+            "duet_router_migrations_total",
+            "outcome=\"started\"",
+        )
+        .await;
+    assert!(moved >= 4.0, "every killed attempt was retried: {moved}");
+    assert_quiet(&c, &["p0", "d0", "d1"]).await;
+}

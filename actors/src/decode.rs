@@ -221,6 +221,13 @@ impl Actor for DecodeWorker {
                 threshold: settings.disagg_threshold,
                 transfer_timeout: settings.transfer_timeout,
                 checksum: settings.kv_checksum,
+                hold_done: Duration::from_millis(
+                    std::env::var("DUET_FAULT_HOLD_DONE_MS")
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0),
+                ),
+                held: Vec::new(),
                 drain_fence: settings.drain_fence,
                 forced_drain: settings.drain_backstop,
                 max_running: settings.max_running,
@@ -531,6 +538,11 @@ struct DecodeCore {
     spans: HashMap<u64, (tracing::Span, tracing::Span)>,
     /// Sequences whose first token was already reported (as a span event).
     first_tokens: HashSet<u64>,
+    /// Fault injection (`DUET_FAULT_HOLD_DONE_MS`): a complete transfer waits this long
+    /// before it is checked and published, so tests can kill decode between the end of a
+    /// transfer and its first decode step.
+    hold_done: Duration,
+    held: Vec<(Instant, String, TransferDone)>,
 }
 
 impl DecodeCore {
@@ -559,6 +571,14 @@ impl DecodeCore {
             }
             self.preallocate(&mut items);
             self.expire(&mut items);
+            let now = Instant::now();
+            for (_, node, d) in self
+                .held
+                .extract_if(.., |(due, _, _)| *due <= now)
+                .collect::<Vec<_>>()
+            {
+                self.done(node, d, &mut items);
+            }
             if !self.runner.scheduler.is_idle() {
                 self.step(&mut items);
             }
@@ -653,6 +673,13 @@ impl DecodeCore {
                 {
                     t.bytes = c.bytes;
                 }
+            }
+            Cmd::Done(node, d) if !self.hold_done.is_zero() => {
+                tracing::warn!(
+                    room = d.room,
+                    "fault injection: holding a complete transfer"
+                );
+                self.held.push((Instant::now() + self.hold_done, node, d));
             }
             Cmd::Done(node, d) => self.done(node, d, items),
             Cmd::Failed(node, f) => {
