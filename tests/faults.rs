@@ -479,3 +479,45 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
     assert!(moved >= 4.0, "every killed attempt was retried: {moved}");
     assert_quiet(&c, &["p0", "d0", "d1"]).await;
 }
+
+/// The pool files of this decode process under `/dev/shm`.
+fn pool_files(pid: i32) -> Vec<PathBuf> {
+    let infix = format!("-d0-{pid}-");
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("duet-") && n.contains(&infix))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A decode process killed with SIGKILL cannot unlink its shared-memory pool; the next decode
+/// process of that node removes it when it starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigkilled_decode_pool_file_is_removed_by_its_successor() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("d0", "decode")],
+        &serving(http, ""),
+    );
+    c.credentials(&c.config).await;
+    let d0 = Running::node(&c.config, "d0").await;
+    let pid = d0.pid();
+    let files = pool_files(pid);
+    assert_eq!(files.len(), 1, "one pool file for d0: {files:?}");
+    d0.kill_hard().await;
+    assert!(files[0].exists(), "SIGKILL left the pool file behind");
+    let d0 = Running::node(&c.config, "d0").await;
+    assert!(
+        !files[0].exists(),
+        "the successor removed the stale pool file"
+    );
+    assert_eq!(pool_files(d0.pid()).len(), 1);
+}

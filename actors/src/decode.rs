@@ -166,7 +166,17 @@ impl Actor for DecodeWorker {
     ) -> Result<DecodeState, ActorProcessingErr> {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         let incarnation: u64 = rand::rng().random();
-        let shm_name = format!("{}-{}-{incarnation:016x}", ctx.config.name, ctx.me.name);
+        // The pid in the name lets the next process on this host remove a pool whose owner
+        // was SIGKILLed (it never unlinked it).
+        let shm_prefix = format!("{}-{}", ctx.config.name, ctx.me.name);
+        let stale = ShmRegion::remove_stale(&shm_prefix);
+        if stale > 0 {
+            tracing::warn!(
+                removed = stale,
+                "removed pool files of dead decode processes"
+            );
+        }
+        let shm_name = format!("{shm_prefix}-{}-{incarnation:016x}", std::process::id());
         let (runner, shm) = {
             let s = settings.clone();
             let name = shm_name.clone();

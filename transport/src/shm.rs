@@ -60,6 +60,31 @@ fn shm_path(name: &str) -> PathBuf {
 }
 
 impl ShmRegion {
+    /// Removes regions named `{prefix}-{pid}-...` whose creating process is gone (a decode
+    /// process killed with SIGKILL never unlinks its pool). Returns how many were removed.
+    /// A name whose pid is alive, or that does not follow the pattern, is left alone.
+    pub fn remove_stale(prefix: &str) -> usize {
+        let start = format!("duet-{prefix}-");
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+            return 0;
+        };
+        let mut removed = 0;
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&start)) else {
+                continue;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
+            let alive = PathBuf::from(format!("/proc/{pid}")).exists();
+            if !alive && std::fs::remove_file(entry.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
     /// Creates a zeroed region of `len` bytes named `name` (removed when this owner drops).
     pub fn create(name: &str, len: usize) -> Result<ShmRegion, ShmError> {
         let path = shm_path(name);
@@ -163,6 +188,23 @@ impl Drop for ShmRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_regions_of_dead_processes_are_removed_and_live_ones_kept() {
+        let prefix = format!("stale-{}", std::process::id());
+        // No pid reaches this value on Linux (pid_max is at most 2^22).
+        let dead = ShmRegion::create(&format!("{prefix}-999999999-0"), 4096).unwrap();
+        let live = ShmRegion::create(&format!("{prefix}-{}-0", std::process::id()), 4096).unwrap();
+        let odd = ShmRegion::create(&format!("{prefix}-notapid"), 4096).unwrap();
+        let (dead_path, live_path) = (dead.path.clone(), live.path.clone());
+        // Forget the dead one's owner: a SIGKILLed process never unlinks.
+        std::mem::forget(dead);
+        assert_eq!(ShmRegion::remove_stale(&prefix), 1);
+        assert!(!dead_path.exists());
+        assert!(live_path.exists());
+        drop(live);
+        drop(odd);
+    }
 
     #[test]
     fn a_second_mapping_sees_the_writes() {
