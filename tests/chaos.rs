@@ -28,7 +28,14 @@ async fn chaos_under_load_loses_nothing() {
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
         &extra,
     );
-    let _up = Running::up(&c.config).await;
+    let history = c.dir.path().join("history");
+    std::fs::create_dir_all(&history).expect("history folder");
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[("DUET_HISTORY_DIR", &history.display().to_string())],
+    )
+    .await;
     router_ready(http, 2).await;
     let out = duet(&[
         "chaos",
@@ -57,4 +64,15 @@ async fn chaos_under_load_loses_nothing() {
         .unwrap_or(0);
     assert!(kills >= 20, "the actors were killed: {report}");
     assert!(out.status.success(), "{}", out.stderr);
+    // Every page ownership event of the run, checked by an independent checker.
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/check_history.py");
+    let check = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(&history)
+        .output()
+        .await
+        .expect("python3");
+    let verdict = String::from_utf8_lossy(&check.stdout);
+    eprintln!("history: {verdict}");
+    assert!(check.status.success(), "history violations: {verdict}");
 }

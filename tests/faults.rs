@@ -37,6 +37,37 @@ fn long_prompt(salt: usize) -> String {
     .repeat(8)
 }
 
+/// A folder for the cluster's transfer history (`DUET_HISTORY_DIR`).
+fn history_dir(c: &ClusterDir) -> String {
+    let dir = c.dir.path().join("history");
+    std::fs::create_dir_all(&dir).expect("history folder");
+    dir.display().to_string()
+}
+
+/// Runs the independent checker over a history; returns its report. Fails the test on any
+/// violation, or when nothing was recorded.
+async fn check_history(dir: &str) -> Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/check_history.py");
+    let out = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(dir)
+        .output()
+        .await
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    assert!(
+        out.status.success(),
+        "the history checker found violations: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        report["attempts"].as_u64() > Some(0),
+        "no history recorded: {report}"
+    );
+    report
+}
+
 /// One completion through curl: `Ok(text)` on HTTP 200, `Err(status and body)` otherwise.
 async fn complete(http: u16, body: Value) -> Result<String, String> {
     let out = tokio::process::Command::new("curl")
@@ -188,7 +219,13 @@ async fn a_storm_of_32_cancellations_leaves_nothing_behind() {
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
         &serving(http, ""),
     );
-    let _up = Running::up(&c.config).await;
+    let history = history_dir(&c);
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[("DUET_HISTORY_DIR", &history)],
+    )
+    .await;
     router_ready(http, 2).await;
     let token = c.token();
     let mut curls = Vec::new();
@@ -229,7 +266,8 @@ async fn a_storm_of_32_cancellations_leaves_nothing_behind() {
         assert!(answer.is_ok(), "probe {i}: {answer:?}");
     }
     assert_quiet(&c, &["p0", "d0"]).await;
-    eprintln!("{aborted} transfers aborted on decode");
+    let report = check_history(&history).await;
+    eprintln!("{aborted} transfers aborted on decode; history: {report}");
 }
 
 /// Issue 8, test 9: a prefill node stopped (SIGSTOP) past its heartbeat deadline: the request
@@ -299,10 +337,14 @@ async fn transfers_failing_at_random_are_retried_or_failed_cleanly() {
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
         &serving(http, ""),
     );
+    let history = history_dir(&c);
     let _up = Running::start_env(
         &["up", "--config", path_str(&c.config)],
         "ready",
-        &[("DUET_FAULT_TRANSFER_FAIL_RATE", "0.05")],
+        &[
+            ("DUET_FAULT_TRANSFER_FAIL_RATE", "0.05"),
+            ("DUET_HISTORY_DIR", &history),
+        ],
     )
     .await;
     router_ready(http, 2).await;
@@ -351,10 +393,12 @@ async fn transfers_failing_at_random_are_retried_or_failed_cleanly() {
     );
     let ok = results.iter().filter(|r| r.is_ok()).count();
     assert_quiet(&c, &["p0", "d0"]).await;
+    let report = check_history(&history).await;
     // The cluster still serves.
     router_ready(http, 2).await;
     eprintln!(
-        "{ok} of {} requests completed; {failed_runs} transfers failed and were drained",
+        "{ok} of {} requests completed; {failed_runs} transfers failed and were drained; \
+         history: {report}",
         results.len()
     );
 }
@@ -407,10 +451,14 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
         ],
         &serving(http, ""),
     );
+    let history = history_dir(&c);
     let _up = Running::start_env(
         &["up", "--config", path_str(&c.config)],
         "ready",
-        &[("DUET_FAULT_HOLD_DONE_MS", "3000")],
+        &[
+            ("DUET_FAULT_HOLD_DONE_MS", "3000"),
+            ("DUET_HISTORY_DIR", &history),
+        ],
     )
     .await;
     router_ready(http, 3).await;
@@ -478,6 +526,8 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
         .await;
     assert!(moved >= 4.0, "every killed attempt was retried: {moved}");
     assert_quiet(&c, &["p0", "d0", "d1"]).await;
+    let report = check_history(&history).await;
+    eprintln!("history: {report}");
 }
 
 /// The pool files of this decode process under `/dev/shm`.
@@ -520,4 +570,96 @@ async fn a_sigkilled_decode_pool_file_is_removed_by_its_successor() {
         "the successor removed the stale pool file"
     );
     assert_eq!(pool_files(d0.pid()).len(), 1);
+}
+
+/// The checker itself: a history that breaks each rule is refused, naming the rule; a sound
+/// one passes. (A checker that passes everything would make the scenarios above prove nothing.)
+#[tokio::test]
+async fn the_history_checker_catches_each_violation() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/check_history.py");
+    let ev = |t: u64, event: &str, attempt: u64, pages: &[u32], extra: Value| {
+        let mut v = json!({"t": t, "event": event, "decode": "d0", "inc": "01",
+                           "attempt": attempt, "pages": pages});
+        if let (Some(o), Value::Object(x)) = (v.as_object_mut(), extra) {
+            o.extend(x);
+        }
+        v.to_string()
+    };
+    let w = |backend: &str| json!({"sender": "aa", "backend": backend});
+    let sound = vec![
+        ev(1, "open", 1, &[1, 2], Value::Null),
+        ev(2, "write_begin", 1, &[1, 2], w("tcp")),
+        ev(3, "write_end", 1, &[], w("tcp")),
+        ev(4, "fenced", 1, &[], w("tcp")),
+        ev(5, "publish", 1, &[], Value::Null),
+        ev(6, "open", 2, &[3], Value::Null),
+        ev(7, "write_begin", 2, &[3], w("shm")),
+        ev(8, "write_end", 2, &[], w("shm")),
+        ev(9, "close", 2, &[], Value::Null),
+    ];
+    let cases: Vec<(&str, Vec<String>)> = vec![
+        ("sound", sound.clone()),
+        ("after its release", {
+            let mut h = sound.clone();
+            h.push(ev(10, "write_begin", 2, &[3], w("shm")));
+            h
+        }),
+        ("released twice", {
+            let mut h = sound.clone();
+            h.push(ev(10, "close", 2, &[], Value::Null));
+            h
+        }),
+        (
+            "not settled",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "write_begin", 1, &[1], w("tcp")),
+                ev(3, "write_end", 1, &[], w("tcp")),
+                ev(4, "close", 1, &[], Value::Null),
+            ],
+        ),
+        (
+            "published before prefill fenced",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "write_begin", 1, &[1], w("shm")),
+                ev(3, "write_end", 1, &[], w("shm")),
+                ev(4, "publish", 1, &[], Value::Null),
+            ],
+        ),
+        (
+            "outside its reservation",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "write_begin", 1, &[1, 9], w("shm")),
+            ],
+        ),
+        (
+            "still held it",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "open", 2, &[1], Value::Null),
+            ],
+        ),
+    ];
+    for (rule, lines) in cases {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("1.jsonl"), lines.join("\n")).expect("write");
+        let out = tokio::process::Command::new("python3")
+            .arg(&script)
+            .arg(dir.path())
+            .output()
+            .await
+            .expect("python3");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if rule == "sound" {
+            assert!(
+                out.status.success(),
+                "a sound history was refused: {stdout}"
+            );
+        } else {
+            assert!(!out.status.success(), "`{rule}` was not caught: {stdout}");
+            assert!(stdout.contains(rule), "`{rule}` not named: {stdout}");
+        }
+    }
 }

@@ -42,6 +42,7 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::history;
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
     Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, Cancel, ChunkWritten, Generate, Heartbeat,
@@ -238,6 +239,7 @@ impl Actor for DecodeWorker {
                         .unwrap_or(0),
                 ),
                 held: Vec::new(),
+                node: ctx.me.name.clone(),
                 drain_fence: settings.drain_fence,
                 forced_drain: settings.drain_backstop,
                 max_running: settings.max_running,
@@ -553,6 +555,8 @@ struct DecodeCore {
     /// transfer and its first decode step.
     hold_done: Duration,
     held: Vec<(Instant, String, TransferDone)>,
+    /// This node's name (for the transfer history).
+    node: String,
 }
 
 impl DecodeCore {
@@ -884,6 +888,7 @@ impl DecodeCore {
                 return true;
             }
         };
+        history::record("open", &self.node, self.incarnation, attempt, &pages);
         let layout = *self.runner.engine.pool.layout();
         self.grants.grant(attempt, &layout, &pages);
         let notice = PreallocNotice {
@@ -951,7 +956,9 @@ impl DecodeCore {
         }
         let alloc = &mut self.runner.engine.pool.alloc;
         match self.ledger.complete(t.attempt, alloc) {
-            Ok((duet_transport::Outcome::Applied, _)) => {}
+            Ok((duet_transport::Outcome::Applied, _)) => {
+                history::record("publish", &self.node, self.incarnation, t.attempt, &[]);
+            }
             other => {
                 tracing::error!(
                     ?other,
@@ -1075,7 +1082,9 @@ impl DecodeCore {
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
             .increment(1);
         if closed {
-            let _ = self.ledger.drained(t.attempt, alloc);
+            if let Ok(duet_transport::Outcome::Applied) = self.ledger.drained(t.attempt, alloc) {
+                history::record("close", &self.node, self.incarnation, t.attempt, &[]);
+            }
             self.grants.revoke(t.attempt);
         } else {
             self.draining
@@ -1094,9 +1103,12 @@ impl DecodeCore {
 
     fn close_draining(&mut self, attempt: u64) {
         if self.draining.remove(&attempt).is_some() {
-            let _ = self
+            let drained = self
                 .ledger
                 .drained(attempt, &mut self.runner.engine.pool.alloc);
+            if let Ok(duet_transport::Outcome::Applied) = drained {
+                history::record("close", &self.node, self.incarnation, attempt, &[]);
+            }
             self.grants.revoke(attempt);
             self.ledger.prune();
         }
@@ -1176,6 +1188,7 @@ impl DecodeCore {
         {
             Ok(keys) => {
                 for k in keys {
+                    history::record("close", &self.node, self.incarnation, k, &[]);
                     self.draining.remove(&k);
                     self.grants.revoke(k);
                 }

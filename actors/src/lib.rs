@@ -16,6 +16,7 @@
 //! - [`decode`]: the decode worker (continuous batch, local prefill of short prompts, the
 //!   receiving side of transfers).
 //! - [`outbox`]: ordered one-way messages from engine threads.
+//! - [`history`]: the page-ownership event log that fault tests check independently.
 //! - [`settings`]: the `[serving]` table of cluster.toml.
 
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use duet_runtime::supervisor::ChildSpec;
 
 pub mod bootstrap;
 pub mod decode;
+pub mod history;
 pub mod outbox;
 pub mod prefill;
 pub mod protocol;

@@ -37,6 +37,7 @@ use rand::Rng;
 use tokio::task::JoinHandle;
 
 use crate::decode::{engine_options, install_drain_probe, layout_info, load_model, report_load};
+use crate::history;
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
     Abort, AbortAck, ChunkWritten, Heartbeat, LayoutHello, LayoutInfo, LoadReport, PREFILL_SERVICE,
@@ -152,6 +153,7 @@ impl Actor for PrefillWorker {
                     .and_then(|v| v.parse::<f64>().ok())
                     .filter(|p| (0.0..=1.0).contains(p))
                     .unwrap_or(0.0),
+                id: incarnation,
             };
             std::thread::Builder::new()
                 .name(format!("duet-kv-sender-{node}"))
@@ -722,6 +724,8 @@ struct KvSender {
     /// Fault injection (`DUET_FAULT_TRANSFER_FAIL_RATE=P`): each run of pages fails with
     /// probability P after its bytes were written (a transport that broke mid-transfer).
     fail_rate: f64,
+    /// The worker incarnation this sender belongs to (for the transfer history).
+    id: u64,
 }
 
 #[derive(Default)]
@@ -734,6 +738,38 @@ struct Progress {
 
 impl KvSender {
     fn run(mut self, jobs: std_mpsc::Receiver<Job>) {
+        let id = self.id;
+        self.run_jobs(jobs);
+        // Its transports close with it: no write of this sender can land from here on.
+        drop(self);
+        history::record_with(
+            "sender_stopped",
+            "",
+            0,
+            0,
+            &[],
+            serde_json::json!({ "sender": format!("{id:016x}") }),
+        );
+    }
+
+    /// Records a transfer-history event of this sender about `to`'s attempt.
+    fn record(&self, event: &str, to: &Target, pages: &[PageId]) {
+        if history::enabled() {
+            history::record_with(
+                event,
+                &to.node,
+                to.incarnation,
+                to.attempt,
+                pages,
+                serde_json::json!({
+                    "sender": format!("{:016x}", self.id),
+                    "backend": to.backend.name(),
+                }),
+            );
+        }
+    }
+
+    fn run_jobs(&mut self, jobs: std_mpsc::Receiver<Job>) {
         while let Ok(job) = jobs.recv() {
             if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
                 return;
@@ -855,8 +891,7 @@ impl KvSender {
                     // the fence proves every earlier write landed.
                     let fenced = broken || self.fence(&to).is_ok();
                     if !fenced {
-                        self.links
-                            .remove(&(to.node.clone(), to.incarnation, to.backend));
+                        self.drop_link(&to);
                     }
                     self.progress.remove(&to.attempt);
                     match failed {
@@ -975,6 +1010,11 @@ impl KvSender {
         layer: Option<usize>,
     ) -> Result<u64, String> {
         let (memory, layout) = (self.memory.clone(), self.layout);
+        self.link(to)?; // connected first: a write that never started records nothing
+        if history::enabled() {
+            let dst: Vec<PageId> = runs.iter().flat_map(|r| r.dst..r.dst + r.n).collect();
+            self.record("write_begin", to, &dst);
+        }
         let link = self.link(to)?;
         let mut result = match layer {
             None => link.write(to.attempt, &memory, &layout, runs),
@@ -993,9 +1033,9 @@ impl KvSender {
             );
             result = Err("fault injection: the transport failed mid-run".to_string());
         }
+        self.record("write_end", to, &[]);
         if result.is_err() {
-            self.links
-                .remove(&(to.node.clone(), to.incarnation, to.backend));
+            self.drop_link(to);
         }
         result
     }
@@ -1003,9 +1043,17 @@ impl KvSender {
     fn fence(&mut self, to: &Target) -> Result<(), String> {
         let result = self.link(to)?.fence(to.attempt).map_err(|e| e.to_string());
         if result.is_err() {
-            self.links
-                .remove(&(to.node.clone(), to.incarnation, to.backend));
+            self.drop_link(to);
+        } else {
+            self.record("fenced", to, &[]);
         }
         result
+    }
+
+    /// Tears down the transport to `to`'s decode worker: nothing sent on it lands later.
+    fn drop_link(&mut self, to: &Target) {
+        self.links
+            .remove(&(to.node.clone(), to.incarnation, to.backend));
+        self.record("dropped", to, &[]);
     }
 }

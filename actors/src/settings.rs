@@ -324,7 +324,7 @@ impl ServingConfig {
                 86_400,
                 60,
             )?),
-            retries: int(&s.retries, "serving.retries", 0, 16, 3)? as usize,
+            retries: int(&s.retries, "serving.retries", 0, 16, 5)? as usize,
             migration: s.migration.unwrap_or(true),
             migration_keep: Duration::from_secs(int(
                 &s.migration_keep_secs,
