@@ -663,3 +663,105 @@ async fn the_history_checker_catches_each_violation() {
         }
     }
 }
+
+/// Issue 8, test 6 (first half): control messages between prefill and decode duplicated and
+/// delayed (so reordered) by a test hook in the link layer. Every request still completes
+/// with `duet generate`'s text, the duplicates and late ones are ignored and counted, nothing
+/// leaks, and the history holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn duplicated_and_delayed_control_messages_change_nothing() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(http, ""),
+    );
+    let history = history_dir(&c);
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[
+            (
+                "DUET_FAULT_LINK",
+                "dup=0.2,delay=0.2,delay_ms=150,kinds=decode.;bootstrap.",
+            ),
+            ("DUET_HISTORY_DIR", &history),
+        ],
+    )
+    .await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    // Distinct prompts: a repeated one would be served from decode's prefix cache, with no
+    // transfer to disturb.
+    let prompts: Vec<String> = (0..6).map(|i| long_prompt(500 + i)).collect();
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(generate_reference(p, 8).await);
+    }
+    let mut clients = Vec::new();
+    for client in 0..3 {
+        let (prompts, want) = (prompts.clone(), want.clone());
+        clients.push(tokio::spawn(async move {
+            for i in 0..2 {
+                let k = client * 2 + i;
+                let body = json!({"prompt": prompts[k], "max_tokens": 8, "ignore_eos": true,
+                                  "temperature": 0});
+                let got = complete(http, body).await;
+                assert_eq!(got.as_deref(), Ok(want[k].as_str()), "client {client} #{i}");
+            }
+        }));
+    }
+    for c in clients {
+        c.await.expect("client");
+    }
+    let stale = metric(c.admin("d0"), &token, "duet_stale_messages_total", "").await
+        + metric(c.admin("p0"), &token, "duet_stale_messages_total", "").await;
+    assert!(stale >= 1.0, "no duplicate was seen: the hook did nothing");
+    assert_quiet(&c, &["p0", "d0"]).await;
+    let report = check_history(&history).await;
+    eprintln!("{stale} stale messages ignored; history: {report}");
+}
+
+/// Issue 8, test 6 (second half): the transfer path stalls for longer than decode's waiting
+/// deadline. The attempt fails with an error naming the phase and the deadline, the router
+/// retries it, the answer is right, and the stalled writes land before decode lets the pages
+/// go (decode waits for prefill's drain).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_path_stalled_past_the_waiting_deadline_is_retried_safely() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(http, "transfer_timeout_secs = 5\n"),
+    );
+    let history = history_dir(&c);
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[
+            ("DUET_FAULT_STALL_TRANSFER_MS", "8000"),
+            ("DUET_HISTORY_DIR", &history),
+        ],
+    )
+    .await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    let prompt = long_prompt(77);
+    let want = generate_reference(&prompt, 8).await;
+    let body = json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+    let got = complete(http, body).await;
+    assert_eq!(got.as_deref(), Ok(want.as_str()));
+    let timeouts = metric(
+        c.admin("d0"),
+        &token,
+        "duet_transfer_aborts_total",
+        "reason=\"timeout\"",
+    )
+    .await;
+    assert_eq!(timeouts, 1.0, "the first attempt hit the waiting deadline");
+    let retried = metric(c.admin("router"), &token, "duet_router_retries_total", "").await;
+    assert_eq!(retried, 1.0);
+    assert_quiet(&c, &["p0", "d0"]).await;
+    let report = check_history(&history).await;
+    eprintln!("history: {report}");
+}

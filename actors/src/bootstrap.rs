@@ -59,6 +59,9 @@ pub struct BootstrapState {
     notices: HashMap<u64, (PreallocNotice, String, Instant)>,
     /// Rooms aborted before both halves met (the late half is dropped on arrival).
     dropped: HashMap<u64, Instant>,
+    /// Rooms whose halves met, with the attempt started: a duplicated notice is ignored
+    /// instead of waiting for a request that will not come (and then failing a live attempt).
+    started: HashMap<u64, (u64, Instant)>,
     ticker: JoinHandle<()>,
     /// Requests queued here, for the node's drain probe.
     queued: Arc<std::sync::atomic::AtomicUsize>,
@@ -105,6 +108,7 @@ impl Actor for Bootstrap {
             requests: HashMap::new(),
             notices: HashMap::new(),
             dropped: HashMap::new(),
+            started: HashMap::new(),
             ticker,
         })
     }
@@ -185,6 +189,14 @@ impl BootstrapState {
                     return;
                 };
                 let room = notice.room;
+                if self
+                    .started
+                    .get(&room)
+                    .is_some_and(|(attempt, _)| *attempt == notice.attempt)
+                {
+                    metrics::counter!(m::STALE_MESSAGES, "kind" => "prealloc").increment(1);
+                    return;
+                }
                 if self.dropped.contains_key(&room) {
                     // Aborted already; nothing was written for it.
                     self.send(
@@ -257,7 +269,9 @@ impl BootstrapState {
         }
     }
 
-    async fn start(&self, waiting: Waiting, notice: PreallocNotice) {
+    async fn start(&mut self, waiting: Waiting, notice: PreallocNotice) {
+        self.started
+            .insert(notice.room, (notice.attempt, Instant::now()));
         let Waiting {
             request,
             since,
@@ -359,5 +373,7 @@ impl BootstrapState {
             }
         }
         self.dropped.retain(|_, since| since.elapsed() <= limit);
+        self.started
+            .retain(|_, (_, since)| since.elapsed() <= limit);
     }
 }

@@ -681,13 +681,10 @@ impl DecodeCore {
             }
             Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
             Cmd::PeerDown(node, why) => self.peer_down(&node, &why, items),
-            Cmd::Chunk(node, c) => {
-                if let Some(t) = self.transfers.get_mut(&(node, c.room))
-                    && t.attempt == c.attempt
-                {
-                    t.bytes = c.bytes;
-                }
-            }
+            Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
+                Some(t) if t.attempt == c.attempt => t.bytes = c.bytes,
+                _ => stale("chunk"),
+            },
             Cmd::Done(node, d) if !self.hold_done.is_zero() => {
                 tracing::warn!(
                     room = d.room,
@@ -698,14 +695,18 @@ impl DecodeCore {
             Cmd::Done(node, d) => self.done(node, d, items),
             Cmd::Failed(node, f) => {
                 if let Some(attempt) = f.attempt {
-                    // P's writes for it have drained: abort then close at once.
-                    if let Some(t) = self.transfers.remove(&(node.clone(), f.room))
-                        && t.attempt == attempt
-                    {
+                    // P's writes for it have drained: abort then close at once. A failure of
+                    // another attempt in the same room must not take this one with it.
+                    let key = (node.clone(), f.room);
+                    let current = self
+                        .transfers
+                        .get(&key)
+                        .is_some_and(|t| t.attempt == attempt);
+                    if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
                         self.end_transfer(&t, AbortReason::ProducerFailure, true);
                         self.fail(t.seq, f.error, items);
-                    } else {
-                        self.close_draining(attempt);
+                    } else if !self.close_draining(attempt) {
+                        stale("failed");
                     }
                 } else {
                     let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
@@ -722,6 +723,8 @@ impl DecodeCore {
                     .is_some_and(|(n, _)| *n == node)
                 {
                     self.close_draining(a.attempt);
+                } else {
+                    stale("abort_ack");
                 }
             }
             Cmd::Shutdown => {}
@@ -935,9 +938,11 @@ impl DecodeCore {
     fn done(&mut self, node: String, d: TransferDone, items: &mut Vec<(String, TokenItem)>) {
         let key = (node, d.room);
         let Some(t) = self.transfers.get(&key) else {
+            stale("done");
             return; // aborted meanwhile, or a duplicate
         };
         if t.attempt != d.attempt {
+            stale("done");
             return; // an old attempt's message never touches a newer one
         }
         let Some(t) = self.transfers.remove(&key) else {
@@ -1101,7 +1106,9 @@ impl DecodeCore {
         }
     }
 
-    fn close_draining(&mut self, attempt: u64) {
+    /// Closes an aborted attempt whose writes are proven drained; false if it was not
+    /// draining (a duplicate or late message).
+    fn close_draining(&mut self, attempt: u64) -> bool {
         if self.draining.remove(&attempt).is_some() {
             let drained = self
                 .ledger
@@ -1111,7 +1118,9 @@ impl DecodeCore {
             }
             self.grants.revoke(attempt);
             self.ledger.prune();
+            return true;
         }
+        false
     }
 
     /// Stops a request wherever it is.
@@ -1406,6 +1415,12 @@ pub(crate) fn install_drain_probe(
     ctx.drain.set_probe(name, move || {
         load.lock().unwrap_or_else(|p| p.into_inner()).in_flight
     });
+}
+
+/// Counts a message about an attempt that is no longer current (duplicate, late, or of an
+/// older attempt): ignored, never applied to a newer one.
+fn stale(kind: &'static str) {
+    metrics::counter!(m::STALE_MESSAGES, "kind" => kind).increment(1);
 }
 
 /// Tells every router this worker's load, every `interval`.

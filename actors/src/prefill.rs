@@ -154,6 +154,10 @@ impl Actor for PrefillWorker {
                     .filter(|p| (0.0..=1.0).contains(p))
                     .unwrap_or(0.0),
                 id: incarnation,
+                stall_once: std::env::var("DUET_FAULT_STALL_TRANSFER_MS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .map(Duration::from_millis),
             };
             std::thread::Builder::new()
                 .name(format!("duet-kv-sender-{node}"))
@@ -489,6 +493,10 @@ impl PrefillCore {
                     }
                 }
             }
+            // Aborted after its Finish was queued: the Drain behind it releases the pins (a
+            // completion here would be refused by the ledger, and the flight forgotten with
+            // its pages pinned for good).
+            Cmd::Sent { seq } if self.flights.get(&seq).is_some_and(|f| f.aborted) => {}
             Cmd::Sent { seq } => {
                 if let Some(f) = self.flights.remove(&seq) {
                     self.rooms.remove(&(f.decode.clone(), f.start.notice.room));
@@ -726,6 +734,9 @@ struct KvSender {
     fail_rate: f64,
     /// The worker incarnation this sender belongs to (for the transfer history).
     id: u64,
+    /// Fault injection (`DUET_FAULT_STALL_TRANSFER_MS=N`): the sender's first write waits N
+    /// ms first, a partition of the transfer path that outlasts decode's waiting deadline.
+    stall_once: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -1010,6 +1021,14 @@ impl KvSender {
         layer: Option<usize>,
     ) -> Result<u64, String> {
         let (memory, layout) = (self.memory.clone(), self.layout);
+        if let Some(stall) = self.stall_once.take() {
+            tracing::warn!(
+                ?stall,
+                attempt = to.attempt,
+                "fault injection: the transfer path stalls"
+            );
+            std::thread::sleep(stall);
+        }
         self.link(to)?; // connected first: a write that never started records nothing
         if history::enabled() {
             let dst: Vec<PageId> = runs.iter().flat_map(|r| r.dst..r.dst + r.n).collect();

@@ -31,6 +31,8 @@ pub const PEER_TRANSITIONS: &str = "duet_peer_transitions_total";
 pub const ADMIN_UNAUTHORIZED: &str = "duet_admin_unauthorized_total";
 /// Requests the router retried on another worker (their worker was lost before a token).
 pub const ROUTER_RETRIES: &str = "duet_router_retries_total";
+/// Protocol messages ignored because their attempt is no longer current (by kind).
+pub const STALE_MESSAGES: &str = "duet_stale_messages_total";
 /// Drains that ended at their timeout with requests still in flight.
 pub const DRAIN_TIMEOUTS: &str = "duet_drain_timeouts_total";
 /// Streams continued on another decode worker after tokens were sent (by outcome).
@@ -115,6 +117,7 @@ pub const ALL: &[&str] = &[
     PEER_TRANSITIONS,
     ADMIN_UNAUTHORIZED,
     ROUTER_RETRIES,
+    STALE_MESSAGES,
     DRAIN_TIMEOUTS,
     ROUTER_MIGRATIONS,
     MIGRATION_KEEPS_BROKEN,

@@ -22,6 +22,7 @@
 //! [`LinkError::NotConnected`]: nothing is queued or dropped silently.
 
 mod actor;
+mod fault;
 pub mod listener;
 pub mod tls;
 
@@ -279,7 +280,19 @@ impl LinkHandle {
         let session = self.session().ok_or_else(|| self.not_connected())?;
         let env = self.envelope(kind, from, target, Flow::OneWay, body);
         self.check_size(&env)?;
-        session.write(&env).await?;
+        match fault::draw(kind) {
+            fault::Fault::Pass => session.write(&env).await?,
+            fault::Fault::Duplicate => {
+                session.write(&env).await?;
+                session.write(&env).await?;
+            }
+            fault::Fault::Delay(after) => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let _ = session.write(&env).await;
+                });
+            }
+        }
         metrics::counter!(m::LINK_MESSAGES_SENT, "peer" => self.peer.clone()).increment(1);
         Ok(())
     }
