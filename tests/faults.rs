@@ -68,6 +68,23 @@ async fn check_history(dir: &str) -> Value {
     report
 }
 
+/// A router + p0 + d0 cluster (`duet up`) on the real model with serving `extra`, its
+/// workers recording the transfer history, with `env` in their environment. Returns the
+/// cluster, the running `duet up`, the router's HTTP port and the history folder.
+async fn pair_cluster(extra: &str, env: &[(&str, &str)]) -> (ClusterDir, Running, u16, String) {
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(http, extra),
+    );
+    let history = history_dir(&c);
+    let mut vars = env.to_vec();
+    vars.push(("DUET_HISTORY_DIR", &history));
+    let up = Running::start_env(&["up", "--config", path_str(&c.config)], "ready", &vars).await;
+    router_ready(http, 2).await;
+    (c, up, http, history)
+}
+
 /// One completion through curl: `Ok(text)` on HTTP 200, `Err(status and body)` otherwise.
 async fn complete(http: u16, body: Value) -> Result<String, String> {
     let out = tokio::process::Command::new("curl")
@@ -214,19 +231,7 @@ async fn assert_quiet(c: &ClusterDir, nodes: &[&str]) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_storm_of_32_cancellations_leaves_nothing_behind() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        &serving(http, ""),
-    );
-    let history = history_dir(&c);
-    let _up = Running::start_env(
-        &["up", "--config", path_str(&c.config)],
-        "ready",
-        &[("DUET_HISTORY_DIR", &history)],
-    )
-    .await;
-    router_ready(http, 2).await;
+    let (c, _up, http, history) = pair_cluster("", &[]).await;
     let token = c.token();
     let mut curls = Vec::new();
     for i in 0..32 {
@@ -332,22 +337,8 @@ async fn a_stopped_prefill_node_fails_its_rooms_fast_and_rejoins() {
 #[tokio::test(flavor = "multi_thread")]
 async fn transfers_failing_at_random_are_retried_or_failed_cleanly() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        &serving(http, ""),
-    );
-    let history = history_dir(&c);
-    let _up = Running::start_env(
-        &["up", "--config", path_str(&c.config)],
-        "ready",
-        &[
-            ("DUET_FAULT_TRANSFER_FAIL_RATE", "0.05"),
-            ("DUET_HISTORY_DIR", &history),
-        ],
-    )
-    .await;
-    router_ready(http, 2).await;
+    let (c, _up, http, history) =
+        pair_cluster("", &[("DUET_FAULT_TRANSFER_FAIL_RATE", "0.05")]).await;
     let token = c.token();
     let mut clients = Vec::new();
     for client in 0..4 {
@@ -671,25 +662,14 @@ async fn the_history_checker_catches_each_violation() {
 #[tokio::test(flavor = "multi_thread")]
 async fn duplicated_and_delayed_control_messages_change_nothing() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        &serving(http, ""),
-    );
-    let history = history_dir(&c);
-    let _up = Running::start_env(
-        &["up", "--config", path_str(&c.config)],
-        "ready",
-        &[
-            (
-                "DUET_FAULT_LINK",
-                "dup=0.2,delay=0.2,delay_ms=150,kinds=decode.;bootstrap.",
-            ),
-            ("DUET_HISTORY_DIR", &history),
-        ],
+    let (c, _up, http, history) = pair_cluster(
+        "",
+        &[(
+            "DUET_FAULT_LINK",
+            "dup=0.2,delay=0.2,delay_ms=150,kinds=decode.;bootstrap.",
+        )],
     )
     .await;
-    router_ready(http, 2).await;
     let token = c.token();
     // Distinct prompts: a repeated one would be served from decode's prefix cache, with no
     // transfer to disturb.
@@ -729,22 +709,11 @@ async fn duplicated_and_delayed_control_messages_change_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transfer_path_stalled_past_the_waiting_deadline_is_retried_safely() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        &serving(http, "transfer_timeout_secs = 5\n"),
-    );
-    let history = history_dir(&c);
-    let _up = Running::start_env(
-        &["up", "--config", path_str(&c.config)],
-        "ready",
-        &[
-            ("DUET_FAULT_STALL_TRANSFER_MS", "8000"),
-            ("DUET_HISTORY_DIR", &history),
-        ],
+    let (c, _up, http, history) = pair_cluster(
+        "transfer_timeout_secs = 5\n",
+        &[("DUET_FAULT_STALL_TRANSFER_MS", "8000")],
     )
     .await;
-    router_ready(http, 2).await;
     let token = c.token();
     let prompt = long_prompt(77);
     let want = generate_reference(&prompt, 8).await;

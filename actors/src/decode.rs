@@ -731,6 +731,21 @@ impl DecodeCore {
         }
     }
 
+    /// Tells prefill's bootstrap queue to drop the router's half of a request decode failed
+    /// before its notice (else it waits there until its deadline). Retried while the link
+    /// reconnects; a node that stays unreachable drops it at its own deadline.
+    fn drop_bootstrap_half(&self, p: &Prealloc) {
+        self.outbox.send(
+            &p.peer.node,
+            BOOTSTRAP_SERVICE,
+            kinds::ABORT,
+            &Abort {
+                room: p.peer.room,
+                attempt: None,
+            },
+        );
+    }
+
     /// Removes and returns the transfers with prefill node `node`.
     fn take_transfers(&mut self, node: &str) -> Vec<Transfer> {
         let keys: Vec<(String, u64)> = self
@@ -1172,6 +1187,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} unreachable: {why}"),
                 items,
             );
+            self.drop_bootstrap_half(&p);
         }
     }
 
@@ -1210,6 +1226,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} lost: {why}"),
                 items,
             );
+            self.drop_bootstrap_half(&p);
         }
     }
 
