@@ -88,6 +88,7 @@ fn targets(config: &duet_runtime::config::ClusterConfig) -> Vec<String> {
             Role::Prefill => {
                 out.push(format!("{}/prefill/bootstrap", n.name));
                 out.push(format!("{}/prefill/worker", n.name));
+                out.push(format!("{}/prefill/sender", n.name));
             }
             Role::Decode => out.push(format!("{}/decode/worker", n.name)),
         }

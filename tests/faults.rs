@@ -427,7 +427,8 @@ async fn decode_holding(c: &ClusterDir, token: &str) -> Option<&'static str> {
 
 /// Issue 8, test 2: kill decode during the KV transfer; kill decode after the transfer but
 /// before its first decode step (the transfer is held complete and unpublished by a test
-/// hook); kill prefill mid-prefill; kill prefill mid-transfer. Each request completes, through
+/// hook); kill prefill mid-prefill; kill prefill mid-transfer; kill prefill's KV sender actor
+/// mid-transfer. Each request completes, through
 /// another attempt, with the text `duet generate` gives; then both sides are idle.
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_either_side_in_each_phase_loses_no_request() {
@@ -459,6 +460,7 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
         "decode after the transfer, before its first step",
         "prefill mid-prefill",
         "prefill mid-transfer",
+        "the KV sender mid-transfer",
     ];
     for (i, scenario) in scenarios.into_iter().enumerate() {
         let prompt = long_prompt(9000 + i);
@@ -497,6 +499,7 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
                 // The first look at a prompt being computed (pages may already stream).
                 2 if prefilling && !complete => Some("p0/prefill/worker".to_string()),
                 3 if streaming && !complete => Some("p0/prefill/worker".to_string()),
+                4 if streaming && !complete => Some("p0/prefill/sender".to_string()),
                 _ => None,
             }
         })
@@ -515,7 +518,7 @@ async fn killing_either_side_in_each_phase_loses_no_request() {
             "outcome=\"started\"",
         )
         .await;
-    assert!(moved >= 4.0, "every killed attempt was retried: {moved}");
+    assert!(moved >= 5.0, "every killed attempt was retried: {moved}");
     assert_quiet(&c, &["p0", "d0", "d1"]).await;
     let report = check_history(&history).await;
     eprintln!("history: {report}");

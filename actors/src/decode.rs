@@ -88,6 +88,8 @@ enum Cmd {
     PeerRefused(String, String),
     /// The prefill worker's writers are proven gone (a new incarnation).
     PeerGone(String, String),
+    /// A prefill node's worker incarnation, as its heartbeat says (first seen or changed).
+    PrefillIncarnation(String, u64),
     /// The prefill node is unreachable (membership): abort and drain, pins kept.
     PeerDown(String, String),
     Chunk(String, ChunkWritten),
@@ -240,6 +242,7 @@ impl Actor for DecodeWorker {
                 ),
                 held: Vec::new(),
                 node: ctx.me.name.clone(),
+                prefill_incarnations: HashMap::new(),
                 drain_fence: settings.drain_fence,
                 forced_drain: settings.drain_backstop,
                 max_running: settings.max_running,
@@ -404,6 +407,11 @@ impl DecodeState {
         let known = self
             .prefill_incarnations
             .insert(from.to_string(), h.incarnation);
+        if known != Some(h.incarnation) {
+            let _ = self
+                .cmds
+                .send(Cmd::PrefillIncarnation(from.to_string(), h.incarnation));
+        }
         if known.is_some_and(|k| k != h.incarnation) {
             let _ = self.cmds.send(Cmd::PeerGone(
                 from.to_string(),
@@ -557,6 +565,8 @@ struct DecodeCore {
     held: Vec<(Instant, String, TransferDone)>,
     /// This node's name (for the transfer history).
     node: String,
+    /// Each prefill node's worker incarnation, from its heartbeats.
+    prefill_incarnations: HashMap<String, u64>,
 }
 
 impl DecodeCore {
@@ -680,6 +690,9 @@ impl DecodeCore {
                 }
             }
             Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
+            Cmd::PrefillIncarnation(node, incarnation) => {
+                self.prefill_incarnations.insert(node, incarnation);
+            }
             Cmd::PeerDown(node, why) => self.peer_down(&node, &why, items),
             Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
                 Some(t) if t.attempt == c.attempt => t.bytes = c.bytes,
@@ -916,6 +929,7 @@ impl DecodeCore {
             decode_prefix_len: cached,
             incarnation: self.incarnation,
             endpoint: self.endpoint.clone(),
+            prefill_incarnation: self.prefill_incarnations.get(&p.peer.node).copied(),
         };
         self.outbox
             .send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);

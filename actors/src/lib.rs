@@ -47,12 +47,18 @@ pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
         }
         Role::Prefill => {
             let c2 = c.clone();
+            // The worker and its KV sender share the sender thread's hand-off.
+            let hub = Arc::new(prefill::SenderHub::default());
+            let hub2 = hub.clone();
             vec![
                 ChildSpec::actor("bootstrap", "bootstrap", move || {
                     (bootstrap::Bootstrap, c.clone())
                 }),
                 ChildSpec::actor("worker", "worker", move || {
-                    (prefill::PrefillWorker, c2.clone())
+                    (prefill::PrefillWorker, (c2.clone(), hub.clone()))
+                }),
+                ChildSpec::actor("sender", "kv_sender", move || {
+                    (prefill::KvSenderActor, hub2.clone())
                 }),
             ]
         }

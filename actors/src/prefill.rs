@@ -56,10 +56,22 @@ duet_runtime::inbound_message!(struct PrefillMsg);
 
 enum Cmd {
     Start(Box<PrefillStart>),
-    Abort { decode: String, abort: Abort },
-    Sent { seq: u64 },
-    Drained { seq: u64 },
-    SendFailed { seq: u64, error: String },
+    Abort {
+        decode: String,
+        abort: Abort,
+    },
+    Sent {
+        seq: u64,
+    },
+    Drained {
+        seq: u64,
+    },
+    SendFailed {
+        seq: u64,
+        error: String,
+    },
+    /// The KV sender actor restarted: the old thread is joined, jobs queued to it are lost.
+    SenderRestarted,
     Shutdown,
 }
 
@@ -72,11 +84,14 @@ pub struct PrefillState {
     cmds: std_mpsc::Sender<Cmd>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     tasks: Vec<JoinHandle<()>>,
+    hub: Arc<SenderHub>,
 }
 
 impl Drop for PrefillState {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // The sender thread stops between jobs; the next worker joins it before it starts.
+        self.hub.retire(self.incarnation);
         let _ = self.cmds.send(Cmd::Shutdown);
         for t in &self.tasks {
             t.abort();
@@ -84,28 +99,24 @@ impl Drop for PrefillState {
     }
 }
 
-/// The previous incarnation's sender thread, joined before a new one starts: once joined,
-/// nothing of the old incarnation can write into a decode pool.
-static LAST_SENDER: Mutex<Option<std::thread::JoinHandle<()>>> = Mutex::new(None);
-
 impl Actor for PrefillWorker {
     type Msg = PrefillMsg;
     type State = PrefillState;
-    type Arguments = Arc<NodeContext>;
+    type Arguments = (Arc<NodeContext>, Arc<SenderHub>);
 
     async fn pre_start(
         &self,
         myself: ActorRef<PrefillMsg>,
-        ctx: Arc<NodeContext>,
+        (ctx, hub): (Arc<NodeContext>, Arc<SenderHub>),
     ) -> Result<PrefillState, ActorProcessingErr> {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
-        let previous = LAST_SENDER.lock().unwrap_or_else(|p| p.into_inner()).take();
         let runner = {
             let s = settings.clone();
+            let hub = hub.clone();
             tokio::task::spawn_blocking(move || {
-                if let Some(h) = previous {
-                    let _ = h.join();
-                }
+                // Once the previous incarnation's sender thread is joined, nothing of it can
+                // write into a decode pool.
+                hub.replace_thread(None).map_err(|e| e.to_string())?;
                 let model = load_model(&s)?;
                 let options = engine_options(&s, &model);
                 let engine = Engine::new(model, options).map_err(|e| e.to_string())?;
@@ -132,43 +143,23 @@ impl Actor for PrefillWorker {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);
-        let (job_tx, job_rx) = std_mpsc::channel();
-        let sender = {
-            let sender = KvSender {
-                memory: runner.engine.pool.memory(),
-                layout: *runner.engine.pool.layout(),
-                outbox: outbox.clone(),
-                done: cmd_tx.clone(),
-                stop: stop.clone(),
-                links: HashMap::new(),
-                progress: HashMap::new(),
-                layer_spans: HashMap::new(),
-                checksum: settings.kv_checksum,
-                corrupt: std::env::var("DUET_FAULT_CORRUPT_KV")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0),
-                fail_rate: std::env::var("DUET_FAULT_TRANSFER_FAIL_RATE")
-                    .ok()
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .filter(|p| (0.0..=1.0).contains(p))
-                    .unwrap_or(0.0),
-                id: incarnation,
-                stall_once: std::env::var("DUET_FAULT_STALL_TRANSFER_MS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .map(Duration::from_millis),
-            };
-            std::thread::Builder::new()
-                .name(format!("duet-kv-sender-{node}"))
-                .spawn(move || sender.run(job_rx))?
+        let parts = SenderParts {
+            memory: runner.engine.pool.memory(),
+            layout: *runner.engine.pool.layout(),
+            outbox: outbox.clone(),
+            done: cmd_tx.clone(),
+            checksum: settings.kv_checksum,
+            id: incarnation,
+            node: node.clone(),
         };
-        *LAST_SENDER.lock().unwrap_or_else(|p| p.into_inner()) = Some(sender);
+        let h = hub.clone();
+        tokio::task::spawn_blocking(move || h.replace_thread(Some(parts))).await??;
         {
             let core = PrefillCore {
                 runner,
                 ledger: TransferLedger::new(Side::Source),
-                jobs: job_tx,
+                jobs: hub.clone(),
+                worker: incarnation,
                 outbox,
                 load: load.clone(),
                 flights: HashMap::new(),
@@ -193,6 +184,7 @@ impl Actor for PrefillWorker {
             cmds: cmd_tx,
             stop,
             tasks: vec![reporter, heartbeat, outbox_task],
+            hub,
         })
     }
 
@@ -341,7 +333,9 @@ struct Target {
 struct PrefillCore {
     runner: Runner,
     ledger: TransferLedger,
-    jobs: std_mpsc::Sender<Job>,
+    jobs: Arc<SenderHub>,
+    /// This worker's incarnation (its jobs go only to a sender thread built for it).
+    worker: u64,
     outbox: Outbox,
     load: Arc<Mutex<LoadReport>>,
     flights: HashMap<u64, Flight>,
@@ -415,6 +409,19 @@ impl PrefillCore {
                         },
                     );
                 };
+                if start
+                    .notice
+                    .prefill_incarnation
+                    .is_some_and(|i| i != self.worker)
+                {
+                    // Decode closes what it noticed to an earlier worker when it hears of this
+                    // one: writing it now could land in pages already given back.
+                    return fail(
+                        self,
+                        "prefill bootstrap: the notice was for an earlier prefill worker (it restarted)"
+                            .into(),
+                    );
+                }
                 let n = start.request.prompt.len();
                 let skip = start.notice.decode_prefix_len / ps;
                 if start.notice.decode_prefix_len % ps != 0
@@ -520,6 +527,11 @@ impl PrefillCore {
             Cmd::SendFailed { seq, error } => {
                 self.abort_flight(seq, AbortReason::ConsumerFailure, Some(error));
             }
+            // Every flight may have had jobs in the lost queue: each drains through the new
+            // thread (its fence covers what that thread wrote; the old one is joined).
+            Cmd::SenderRestarted => {
+                self.fail_all("prefill transfer: the KV sender restarted".into())
+            }
             Cmd::Shutdown => {}
         }
     }
@@ -532,6 +544,10 @@ impl PrefillCore {
             return;
         };
         if f.aborted {
+            // Asked again (a drain fence, or the sender restarted and its queue was lost):
+            // drain again; a second acknowledgement is ignored by decode.
+            let to = Self::target(f);
+            let _ = self.jobs.send(self.worker, Job::Drain { seq, to, failed });
             return;
         }
         f.aborted = true;
@@ -544,7 +560,7 @@ impl PrefillCore {
         metrics::counter!(m::TRANSFERS, "side" => "prefill", "outcome" => "aborted").increment(1);
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "prefill", "reason" => reason.name())
             .increment(1);
-        let _ = self.jobs.send(Job::Drain { seq, to, failed });
+        let _ = self.jobs.send(self.worker, Job::Drain { seq, to, failed });
     }
 
     fn step(&mut self) {
@@ -590,16 +606,19 @@ impl PrefillCore {
         }
         let logits = {
             let chunks = self.runner.scheduler.chunks(&plan);
-            let jobs = self.jobs.clone();
+            let (jobs, worker) = (self.jobs.clone(), self.worker);
             let mut kv_done = |layer: usize| {
                 for (seq, to, runs, pages_so_far) in &finals {
-                    let _ = jobs.send(Job::Layer {
-                        seq: *seq,
-                        to: to.clone(),
-                        runs: runs.clone(),
-                        layer,
-                        pages_so_far: *pages_so_far,
-                    });
+                    let _ = jobs.send(
+                        worker,
+                        Job::Layer {
+                            seq: *seq,
+                            to: to.clone(),
+                            runs: runs.clone(),
+                            layer,
+                            pages_so_far: *pages_so_far,
+                        },
+                    );
                 }
             };
             self.runner.engine.step_observed(&chunks, &mut kv_done)
@@ -617,12 +636,15 @@ impl PrefillCore {
             // Only full pages: the partial last one is rewritten by the next chunk.
             let upto = (it.start + it.len) / ps;
             if let Some((to, runs, pages_so_far)) = self.claim_pages(it.seq, upto) {
-                let _ = self.jobs.send(Job::Write {
-                    seq: it.seq,
-                    to,
-                    runs,
-                    pages_so_far,
-                });
+                let _ = self.jobs.send(
+                    self.worker,
+                    Job::Write {
+                        seq: it.seq,
+                        to,
+                        runs,
+                        pages_so_far,
+                    },
+                );
             }
         }
         let tok = &self.runner.engine.model.tokenizer;
@@ -654,12 +676,15 @@ impl PrefillCore {
                 prefill_cached: ev.cached_tokens,
                 checksums: Vec::new(),
             };
-            let _ = self.jobs.send(Job::Finish {
-                seq: ev.seq,
-                to: Self::target(f),
-                done,
-                compute_end,
-            });
+            let _ = self.jobs.send(
+                self.worker,
+                Job::Finish {
+                    seq: ev.seq,
+                    to: Self::target(f),
+                    done,
+                    compute_end,
+                },
+            );
         }
     }
 
@@ -713,6 +738,171 @@ impl PrefillCore {
 }
 
 /// The sending half: runs jobs in order over one transport per decode worker incarnation.
+/// What a sender thread is built from (set by each worker incarnation).
+#[derive(Clone)]
+struct SenderParts {
+    memory: PoolMemory,
+    layout: duet_gpu::KvLayout,
+    outbox: Outbox,
+    done: std_mpsc::Sender<Cmd>,
+    checksum: bool,
+    /// The worker incarnation.
+    id: u64,
+    node: String,
+}
+
+/// The hand-off between a prefill worker and its KV sender actor (`NODE/prefill/sender`, a
+/// sibling under the prefill supervisor, so `duet kill` reaches it). The worker sets what a
+/// sender thread needs and starts one; a restarted sender actor replaces the thread. A
+/// replacement stops and joins the old thread first (once joined, nothing of it can write),
+/// under one lock so two replacements never overlap. Jobs carry the worker incarnation that
+/// queued them and are delivered only to a thread built for that incarnation: a dying worker's
+/// core can never have a successor's thread write for it. After a sender restart the worker
+/// aborts every flight, each draining through the new thread.
+#[derive(Default)]
+pub struct SenderHub {
+    inner: Mutex<HubInner>,
+    /// Sender actor starts so far (the first one finds the worker's thread running).
+    actor_starts: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct HubInner {
+    parts: Option<SenderParts>,
+    jobs: Option<std_mpsc::Sender<Job>>,
+    thread: Option<(
+        Arc<std::sync::atomic::AtomicBool>,
+        std::thread::JoinHandle<()>,
+    )>,
+}
+
+impl SenderHub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a job of worker incarnation `worker` for the sender thread; false when no
+    /// thread of that incarnation runs (its flights are aborted when the next one starts).
+    fn send(&self, worker: u64, job: Job) -> bool {
+        let inner = self.lock();
+        inner.parts.as_ref().is_some_and(|p| p.id == worker)
+            && inner.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
+    }
+
+    /// Worker incarnation `worker` is gone: its thread stops after its current job (not
+    /// waited for; the next replacement joins it) and nothing is built from its parts again.
+    fn retire(&self, worker: u64) {
+        let mut inner = self.lock();
+        if inner.parts.as_ref().is_some_and(|p| p.id == worker) {
+            inner.parts = None;
+        }
+        inner.jobs = None;
+        if let Some((stop, _)) = inner.thread.as_ref() {
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Stops and joins the sender thread, then starts a new one from `parts` (or from the
+    /// current parts when `None`; none when there are none). Blocking.
+    fn replace_thread(&self, parts: Option<SenderParts>) -> std::io::Result<()> {
+        let mut inner = self.lock();
+        inner.jobs = None;
+        if let Some((stop, handle)) = inner.thread.take() {
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = handle.join();
+        }
+        if parts.is_some() {
+            inner.parts = parts;
+        }
+        let Some(p) = inner.parts.clone() else {
+            return Ok(());
+        };
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, rx) = std_mpsc::channel();
+        let env = |k: &str| std::env::var(k).ok();
+        let sender = KvSender {
+            memory: p.memory,
+            layout: p.layout,
+            outbox: p.outbox,
+            done: p.done,
+            stop: stop.clone(),
+            links: HashMap::new(),
+            progress: HashMap::new(),
+            layer_spans: HashMap::new(),
+            checksum: p.checksum,
+            corrupt: env("DUET_FAULT_CORRUPT_KV")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            fail_rate: env("DUET_FAULT_TRANSFER_FAIL_RATE")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|p| (0.0..=1.0).contains(p))
+                .unwrap_or(0.0),
+            id: p.id,
+            stall_once: env("DUET_FAULT_STALL_TRANSFER_MS")
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis),
+        };
+        let handle = std::thread::Builder::new()
+            .name(format!("duet-kv-sender-{}", p.node))
+            .spawn(move || sender.run(rx))?;
+        inner.jobs = Some(tx);
+        inner.thread = Some((stop, handle));
+        Ok(())
+    }
+
+    /// Tells the current worker its sender restarted.
+    fn notify_restart(&self) {
+        if let Some(p) = self.lock().parts.as_ref() {
+            let _ = p.done.send(Cmd::SenderRestarted);
+        }
+    }
+}
+
+/// The KV sender as a supervised actor: killing it stops the sender thread (after its current
+/// write), and its successor starts a new one and has the worker fail the rooms the old one
+/// held (their pages stay pinned until they drain through the new thread).
+pub struct KvSenderActor;
+
+/// The sender actor's state: stopping it stops its thread.
+pub struct KvSenderState {
+    hub: Arc<SenderHub>,
+}
+
+impl Drop for KvSenderState {
+    fn drop(&mut self) {
+        // Stop the thread after its current job; the successor joins it.
+        let mut inner = self.hub.lock();
+        inner.jobs = None;
+        if let Some((stop, _)) = inner.thread.as_ref() {
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl Actor for KvSenderActor {
+    type Msg = ();
+    type State = KvSenderState;
+    type Arguments = Arc<SenderHub>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<()>,
+        hub: Arc<SenderHub>,
+    ) -> Result<KvSenderState, ActorProcessingErr> {
+        let first = hub
+            .actor_starts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            == 0;
+        if !first {
+            let h = hub.clone();
+            tokio::task::spawn_blocking(move || h.replace_thread(None)).await??;
+            hub.notify_restart();
+            tracing::warn!("KV sender restarted; the rooms it held fail and drain");
+        }
+        Ok(KvSenderState { hub })
+    }
+}
+
 struct KvSender {
     memory: PoolMemory,
     layout: duet_gpu::KvLayout,

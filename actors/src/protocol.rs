@@ -190,6 +190,11 @@ pub struct PreallocNotice {
     pub incarnation: u64,
     /// Where D's pool can be written.
     pub endpoint: Endpoint,
+    /// The prefill worker incarnation D last heard from (its heartbeat). A worker of another
+    /// incarnation refuses the notice: D closes the transfers it noticed to an earlier
+    /// incarnation as soon as it hears of the restart, so a later one must never write them.
+    #[serde(default)]
+    pub prefill_incarnation: Option<u64>,
 }
 
 /// Bootstrap → prefill worker: a request with its notice, ready to compute.

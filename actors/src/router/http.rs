@@ -287,6 +287,8 @@ struct Generation {
     attempts_left: usize,
     /// Tokens the client had when the current attempt started.
     progress_mark: usize,
+    /// Attempts refused by a restarting service so far.
+    refusals: usize,
     /// Tokens the client has, and the bytes of their text.
     generated: Vec<u32>,
     emitted: usize,
@@ -316,10 +318,36 @@ impl Generation {
             forced: forced.clone(),
             ..Placement::default()
         };
-        let started = shared
-            .start(prompt.clone(), params.clone(), Resume::default(), placement)
-            .await
-            .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
+        // A worker that is restarting refuses for a moment: the first start gets the same
+        // budget as later attempts (a forced pair none), with a short growing pause between.
+        let budget = if forced.is_some() {
+            0
+        } else {
+            shared.settings.retries
+        };
+        let mut pause = Duration::from_millis(100);
+        let mut tries = 0;
+        let started = loop {
+            match shared
+                .start(
+                    prompt.clone(),
+                    params.clone(),
+                    Resume::default(),
+                    placement.clone(),
+                )
+                .await
+            {
+                Ok(s) => break s,
+                Err(e) if tries < budget => {
+                    tries += 1;
+                    tracing::warn!(error = %e, tries, "could not start; trying again");
+                    metrics::counter!(m::ROUTER_RETRIES).increment(1);
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(e) => return Err(ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e)),
+            }
+        };
         shared
             .open
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -337,6 +365,7 @@ impl Generation {
                 shared.settings.retries
             },
             progress_mark: 0,
+            refusals: 0,
             current: Some(started),
             shared,
             prompt,
@@ -356,7 +385,16 @@ impl Generation {
         // The budget bounds attempts that fail without progress (a request that crashes
         // every worker it meets). The router's own restart is not the request's failure, and
         // an attempt that streamed tokens made progress: neither costs an attempt.
-        let free = error == super::RESYNC || self.generated.len() > self.progress_mark;
+        // A service refusing while its actor restarts never reached a worker: free too, after
+        // a pause (the restart takes a moment).
+        // At most 50 such (5 s): a service that stays down is a failure like any other.
+        let refused = (error.contains("is not running") || error.contains("it restarted)"))
+            && self.refusals < 50;
+        if refused {
+            self.refusals += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let free = error == super::RESYNC || refused || self.generated.len() > self.progress_mark;
         if (self.attempts_left == 0 && !free) || (migrating && !self.shared.settings.migration) {
             return Err(error.to_string());
         }
