@@ -385,10 +385,13 @@ impl Generation {
         // The budget bounds attempts that fail without progress (a request that crashes
         // every worker it meets). The router's own restart is not the request's failure, and
         // an attempt that streamed tokens made progress: neither costs an attempt.
-        // A service refusing while its actor restarts never reached a worker: free too, after
-        // a pause (the restart takes a moment).
-        // At most 50 such (5 s): a service that stays down is a failure like any other.
-        let refused = (error.contains("is not running") || error.contains("it restarted)"))
+        // A service refusing while its actor restarts never reached a worker, and a restart of
+        // prefill's KV sender (a thread of copies) is never the request's doing: free too,
+        // after a pause (the restart takes a moment). At most 50 such (5 s): a service that
+        // stays down is a failure like any other.
+        let refused = (error.contains("is not running")
+            || error.contains("it restarted)")
+            || error.contains("the KV sender restarted"))
             && self.refusals < 50;
         if refused {
             self.refusals += 1;
