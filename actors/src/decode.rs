@@ -678,15 +678,7 @@ impl DecodeCore {
                 let refused = self.take_prealloc(|p| p.peer.node == node);
                 for p in refused {
                     self.fail(p.seq, format!("decode prealloc: {error}"), items);
-                    self.outbox.send(
-                        &node,
-                        BOOTSTRAP_SERVICE,
-                        kinds::ABORT,
-                        &Abort {
-                            room: p.peer.room,
-                            attempt: None,
-                        },
-                    );
+                    Self::drop_bootstrap_half(&self.outbox, &p);
                 }
             }
             Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
@@ -747,8 +739,8 @@ impl DecodeCore {
     /// Tells prefill's bootstrap queue to drop the router's half of a request decode failed
     /// before its notice (else it waits there until its deadline). Retried while the link
     /// reconnects; a node that stays unreachable drops it at its own deadline.
-    fn drop_bootstrap_half(&self, p: &Prealloc) {
-        self.outbox.send(
+    fn drop_bootstrap_half(outbox: &Outbox, p: &Prealloc) {
+        outbox.send(
             &p.peer.node,
             BOOTSTRAP_SERVICE,
             kinds::ABORT,
@@ -850,21 +842,10 @@ impl DecodeCore {
                 }
             };
         let cached = prefix.len() * ps;
-        let abort_p = |outbox: &Outbox, p: &Prealloc| {
-            outbox.send(
-                &p.peer.node,
-                BOOTSTRAP_SERVICE,
-                kinds::ABORT,
-                &Abort {
-                    room: p.peer.room,
-                    attempt: None,
-                },
-            )
-        };
         if prompt.len() - cached < self.threshold || prompt.is_empty() {
             // Cheaper to prefill the short uncached rest here than to pair for it.
             let _ = alloc.release_all(&prefix);
-            abort_p(&self.outbox, &p);
+            Self::drop_bootstrap_half(&self.outbox, &p);
             metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
             if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
                 *phase = tracing::info_span!(
@@ -915,7 +896,7 @@ impl DecodeCore {
                 let _ = alloc.release_all(&prefix);
                 let _ = alloc.release_all(&pages);
                 self.fail(p.seq, format!("decode prealloc: {e}"), items);
-                abort_p(&self.outbox, &p);
+                Self::drop_bootstrap_half(&self.outbox, &p);
                 return true;
             }
         };
@@ -1156,15 +1137,7 @@ impl DecodeCore {
     fn abort_seq(&mut self, seq: u64, reason: AbortReason) {
         if let Some(i) = self.prealloc.iter().position(|p| p.seq == seq) {
             if let Some(p) = self.prealloc.remove(i) {
-                self.outbox.send(
-                    &p.peer.node,
-                    BOOTSTRAP_SERVICE,
-                    kinds::ABORT,
-                    &Abort {
-                        room: p.peer.room,
-                        attempt: None,
-                    },
-                );
+                Self::drop_bootstrap_half(&self.outbox, &p);
             }
             return;
         }
@@ -1201,7 +1174,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} unreachable: {why}"),
                 items,
             );
-            self.drop_bootstrap_half(&p);
+            Self::drop_bootstrap_half(&self.outbox, &p);
         }
     }
 
@@ -1240,7 +1213,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} lost: {why}"),
                 items,
             );
-            self.drop_bootstrap_half(&p);
+            Self::drop_bootstrap_half(&self.outbox, &p);
         }
     }
 
