@@ -90,7 +90,10 @@ fn targets(config: &duet_runtime::config::ClusterConfig) -> Vec<String> {
                 out.push(format!("{}/prefill/worker", n.name));
                 out.push(format!("{}/prefill/sender", n.name));
             }
-            Role::Decode => out.push(format!("{}/decode/worker", n.name)),
+            Role::Decode => {
+                out.push(format!("{}/decode/worker", n.name));
+                out.push(format!("{}/decode/receiver", n.name));
+            }
         }
     }
     out

@@ -34,9 +34,7 @@ use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use duet_transport::shm::ShmRegion;
-use duet_transport::{
-    AbortReason, Endpoint, Grants, LocalRegistration, Side, TcpReceiver, TransferLedger,
-};
+use duet_transport::{AbortReason, Endpoint, Grants, LocalRegistration, Side, TransferLedger};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -50,6 +48,10 @@ use crate::protocol::{
     TokenItem, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
+
+mod receiver;
+
+pub use receiver::{KvReceiverActor, ReceiverHub};
 
 /// The decode worker actor.
 pub struct DecodeWorker;
@@ -96,6 +98,12 @@ enum Cmd {
     Done(String, TransferDone),
     Failed(String, TransferFailed),
     AbortAck(String, AbortAck),
+    /// The KV receiver actor restarted: its new endpoint, and the attempts the old receiver
+    /// carried (its connection threads are joined, so none of their writes can land).
+    ReceiverRestarted {
+        tcp: Option<receiver::TcpEndpoint>,
+        carried: Vec<u64>,
+    },
     Shutdown,
 }
 
@@ -110,7 +118,7 @@ pub struct DecodeState {
     hellos: HashMap<String, HelloState>,
     /// The last heartbeat's incarnation of each prefill worker.
     prefill_incarnations: HashMap<String, u64>,
-    _receiver: Option<TcpReceiver>,
+    receivers: Arc<ReceiverHub>,
     _local: LocalRegistration,
 }
 
@@ -121,6 +129,7 @@ enum HelloState {
 
 impl Drop for DecodeState {
     fn drop(&mut self) {
+        self.receivers.retire(self.incarnation);
         let _ = self.cmds.send(Cmd::Shutdown);
         for t in &self.tasks {
             t.abort();
@@ -160,12 +169,12 @@ pub(crate) fn layout_info(model: &Model, o: &EngineOptions) -> LayoutInfo {
 impl Actor for DecodeWorker {
     type Msg = DecodeMsg;
     type State = DecodeState;
-    type Arguments = Arc<NodeContext>;
+    type Arguments = (Arc<NodeContext>, Arc<ReceiverHub>);
 
     async fn pre_start(
         &self,
         myself: ActorRef<DecodeMsg>,
-        ctx: Arc<NodeContext>,
+        (ctx, receivers): (Arc<NodeContext>, Arc<ReceiverHub>),
     ) -> Result<DecodeState, ActorProcessingErr> {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         let incarnation: u64 = rand::rng().random();
@@ -190,25 +199,25 @@ impl Actor for DecodeWorker {
         let memory = runner.engine.pool.memory();
         // The receiver listens on this node's host only (loopback unless the operator put
         // the node elsewhere); a connection must open with the secret in our endpoint.
-        let bind = std::net::SocketAddr::new(ctx.me.address.ip(), 0);
-        let receiver = match TcpReceiver::start(
-            bind,
-            memory.clone(),
-            grants.clone(),
-            Arc::new(|n| metrics::counter!(m::KV_BYTES_RECEIVED).increment(n)),
-        ) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::warn!(error = %e, "no TCP receiver: prefill can write only by shm");
-                None
-            }
+        let (cmd_tx, cmd_rx) = std_mpsc::channel();
+        let parts = receiver::ReceiverParts {
+            bind: std::net::SocketAddr::new(ctx.me.address.ip(), 0),
+            memory: memory.clone(),
+            grants: grants.clone(),
+            cmds: cmd_tx.clone(),
+            worker: incarnation,
+            node: ctx.me.name.clone(),
+        };
+        let tcp = {
+            let hub = receivers.clone();
+            tokio::task::spawn_blocking(move || hub.install(parts)).await?
         };
         let local = LocalRegistration::new(memory);
         let endpoint = Endpoint {
             host: duet_transport::host_id(),
             local: Some(local.key()),
             shm: shm.then(|| shm_name.clone()),
-            tcp: receiver.as_ref().map(TcpReceiver::endpoint),
+            tcp,
         };
         let node = ctx.me.name.clone();
         let load = Arc::new(Mutex::new(LoadReport::idle(
@@ -218,7 +227,6 @@ impl Actor for DecodeWorker {
             incarnation,
             runner.engine.pool.capacity(),
         )));
-        let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);
         {
@@ -279,7 +287,7 @@ impl Actor for DecodeWorker {
             tasks: vec![forwarder, reporter, outbox_task],
             hellos: HashMap::new(),
             prefill_incarnations: HashMap::new(),
-            _receiver: receiver,
+            receivers,
             _local: local,
         })
     }
@@ -732,8 +740,59 @@ impl DecodeCore {
                     stale("abort_ack");
                 }
             }
+            Cmd::ReceiverRestarted { tcp, carried } => {
+                self.receiver_restarted(tcp, &carried, items);
+            }
             Cmd::Shutdown => {}
         }
+    }
+
+    /// The KV receiver was replaced: later notices carry its endpoint, and the transfers the
+    /// old one carried fail. Their pages are free at once: every thread that could land a
+    /// frame of theirs is joined. Prefill is told to stop them (its acknowledgement then
+    /// finds nothing to close and is counted stale). A carried attempt already draining
+    /// closes for the same reason.
+    fn receiver_restarted(
+        &mut self,
+        tcp: Option<receiver::TcpEndpoint>,
+        carried: &[u64],
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        self.endpoint.tcp = tcp;
+        let keys: Vec<(String, u64)> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| carried.contains(&t.attempt))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in keys {
+            let Some(t) = self.transfers.remove(&k) else {
+                continue;
+            };
+            self.end_transfer(&t, AbortReason::ConsumerFailure, true);
+            self.outbox.send(
+                &t.peer.node,
+                BOOTSTRAP_SERVICE,
+                kinds::ABORT,
+                &Abort {
+                    room: t.peer.room,
+                    attempt: Some(t.attempt),
+                },
+            );
+            self.fail(
+                t.seq,
+                "decode transfer: the KV receiver restarted (its connections closed)".into(),
+                items,
+            );
+        }
+        for &attempt in carried {
+            self.close_draining(attempt);
+        }
+        tracing::warn!(
+            carried = carried.len(),
+            tcp = ?self.endpoint.tcp,
+            "KV receiver replaced"
+        );
     }
 
     /// Tells prefill's bootstrap queue to drop the router's half of a request decode failed
@@ -969,6 +1028,9 @@ impl DecodeCore {
             self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
             return;
         }
+        // Revoked first (as everywhere): no frame of the attempt can be landing once the
+        // pages change hands.
+        self.grants.revoke(t.attempt);
         let alloc = &mut self.runner.engine.pool.alloc;
         match self.ledger.complete(t.attempt, alloc) {
             Ok((duet_transport::Outcome::Applied, _)) => {
@@ -983,7 +1045,6 @@ impl DecodeCore {
                 return;
             }
         }
-        self.grants.revoke(t.attempt);
         self.ledger.prune();
         let latency = t.noticed.elapsed().as_secs_f64();
         metrics::histogram!(m::TRANSFER_LATENCY).record(latency);
@@ -1097,10 +1158,10 @@ impl DecodeCore {
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
             .increment(1);
         if closed {
+            self.grants.revoke(t.attempt);
             if let Ok(duet_transport::Outcome::Applied) = self.ledger.drained(t.attempt, alloc) {
                 history::record("close", &self.node, self.incarnation, t.attempt, &[]);
             }
-            self.grants.revoke(t.attempt);
         } else {
             self.draining
                 .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
@@ -1120,13 +1181,13 @@ impl DecodeCore {
     /// draining (a duplicate or late message).
     fn close_draining(&mut self, attempt: u64) -> bool {
         if self.draining.remove(&attempt).is_some() {
+            self.grants.revoke(attempt);
             let drained = self
                 .ledger
                 .drained(attempt, &mut self.runner.engine.pool.alloc);
             if let Ok(duet_transport::Outcome::Applied) = drained {
                 history::record("close", &self.node, self.incarnation, attempt, &[]);
             }
-            self.grants.revoke(attempt);
             self.ledger.prune();
             return true;
         }
@@ -1185,9 +1246,11 @@ impl DecodeCore {
         // Dropping it here without the actor forgetting the hello stalled every later
         // request for this node until its bootstrap deadline.
         let now = self.now_ms();
+        for k in self.ledger.live_with(node) {
+            self.grants.revoke(k);
+        }
         for t in self.take_transfers(node) {
             let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);
-            self.grants.revoke(t.attempt);
             self.fail(
                 t.seq,
                 format!("decode transfer: prefill {node} lost: {why}"),
@@ -1202,7 +1265,6 @@ impl DecodeCore {
                 for k in keys {
                     history::record("close", &self.node, self.incarnation, k, &[]);
                     self.draining.remove(&k);
-                    self.grants.revoke(k);
                 }
             }
             Err(e) => tracing::error!(error = %e, "ledger refused endpoint_destroyed"),

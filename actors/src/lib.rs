@@ -5,7 +5,8 @@
 //!   router node                 prefill node                          decode node
 //!   NODE/router/router ──────► NODE/prefill/bootstrap (queue) ◄─────── NODE/decode/worker
 //!   (HTTP, OpenAI API,          NODE/prefill/worker (engine,   notice   (engine, batch,
-//!    pairs P and D)              KvSender) ═══ KV pages ═══════════════► pool endpoint)
+//!    pairs P and D)              KvSender) ═══ KV pages ═══════════════► pool endpoint,
+//!                               NODE/prefill/sender             NODE/decode/receiver (TCP))
 //!          ◄──────────────────────── tokens, load reports ──────────────┘
 //! ```
 //!
@@ -62,8 +63,18 @@ pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
                 }),
             ]
         }
-        Role::Decode => vec![ChildSpec::actor("worker", "worker", move || {
-            (decode::DecodeWorker, c.clone())
-        })],
+        Role::Decode => {
+            // The worker and its KV receiver share the receiver's hand-off.
+            let hub = Arc::new(decode::ReceiverHub::default());
+            let hub2 = hub.clone();
+            vec![
+                ChildSpec::actor("worker", "worker", move || {
+                    (decode::DecodeWorker, (c.clone(), hub.clone()))
+                }),
+                ChildSpec::actor("receiver", "kv_receiver", move || {
+                    (decode::KvReceiverActor, hub2.clone())
+                }),
+            ]
+        }
     }
 }

@@ -330,6 +330,29 @@ struct Target {
     attempt: u64,
 }
 
+/// Which decode pool a transport writes, and how: its node, worker incarnation, backend, and
+/// (for TCP) the receiver's address and secret.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct LinkKey {
+    node: String,
+    incarnation: u64,
+    backend: Backend,
+    tcp: Option<(std::net::SocketAddr, u64)>,
+}
+
+impl LinkKey {
+    fn of(to: &Target) -> LinkKey {
+        LinkKey {
+            node: to.node.clone(),
+            incarnation: to.incarnation,
+            backend: to.backend,
+            tcp: (to.backend == Backend::Tcp)
+                .then_some(to.endpoint.tcp)
+                .flatten(),
+        }
+    }
+}
+
 struct PrefillCore {
     runner: Runner,
     ledger: TransferLedger,
@@ -909,7 +932,7 @@ struct KvSender {
     outbox: Outbox,
     done: std_mpsc::Sender<Cmd>,
     stop: Arc<std::sync::atomic::AtomicBool>,
-    links: HashMap<(String, u64, Backend), Box<dyn KvTransport>>,
+    links: HashMap<LinkKey, Box<dyn KvTransport>>,
     /// Per attempt: bytes written, seconds spent writing, or the error that ended it.
     progress: HashMap<u64, Progress>,
     /// The span of a last chunk being written layer by layer, and its bytes so far.
@@ -965,6 +988,10 @@ impl KvSender {
                 serde_json::json!({
                     "sender": format!("{:016x}", self.id),
                     "backend": to.backend.name(),
+                    // Which receiver a TCP write goes to (decode records when it stops one).
+                    "via": (to.backend == Backend::Tcp)
+                        .then(|| to.endpoint.tcp.map(|(addr, _)| addr.to_string()))
+                        .flatten(),
                 }),
             );
         }
@@ -1190,10 +1217,11 @@ impl KvSender {
     }
 
     fn link(&mut self, to: &Target) -> Result<&mut Box<dyn KvTransport>, String> {
-        let key = (to.node.clone(), to.incarnation, to.backend);
+        let key = LinkKey::of(to);
         if !self.links.contains_key(&key) {
-            // A decode worker that restarted has a new pool: forget links to older ones.
-            self.links.retain(|(n, _, _), _| n != &to.node);
+            // A decode worker that restarted has a new pool, and a restarted KV receiver a
+            // new address: forget links to older ones.
+            self.links.retain(|k, _| k.node != to.node);
             let t = duet_transport::connect(&to.endpoint, to.backend)
                 .map_err(|e| format!("connecting to {} by {}: {e}", to.node, to.backend.name()))?;
             self.links.insert(key.clone(), t);
@@ -1261,8 +1289,7 @@ impl KvSender {
 
     /// Tears down the transport to `to`'s decode worker: nothing sent on it lands later.
     fn drop_link(&mut self, to: &Target) {
-        self.links
-            .remove(&(to.node.clone(), to.incarnation, to.backend));
+        self.links.remove(&LinkKey::of(to));
         self.record("dropped", to, &[]);
     }
 }

@@ -4,9 +4,12 @@
 Reads every DIR/*.jsonl a cluster wrote with DUET_HISTORY_DIR=DIR and checks, per transfer
 attempt (decode node, decode worker incarnation, attempt key):
 
-- no page is written after its attempt released it (closed or published);
+- no page is written after its attempt released it (closed or published), except by a TCP
+  write to a receiver decode had already stopped (it cannot land: the receiver's listener
+  is closed and every connection thread of it joined);
 - every write is settled (landed: a shm write's end; or fenced; or its connection dropped;
-  or its sender thread stopped) before the attempt's pages are released;
+  or its sender thread stopped; or, for a TCP write, the receiver it went to stopped) before
+  the attempt's pages are released;
 - an attempt's pages are released once (one `close` or one `publish`);
 - nothing is published unless prefill fenced the attempt's writes first;
 - a write touches only pages its attempt reserved;
@@ -40,6 +43,13 @@ def check(events):
     opened, ends, writes, settles = {}, defaultdict(list), defaultdict(list), defaultdict(list)
     fenced = defaultdict(list)
     stopped = {}
+    # (decode, inc, receiver address) -> when decode stopped that TCP receiver
+    receiver_stops = {}
+
+    def dead_receiver(w, at):
+        # A TCP write's receiver was stopped at or before `at`.
+        stop = receiver_stops.get((w["decode"], w["inc"], w.get("via")))
+        return w.get("backend") == "tcp" and stop is not None and stop <= at
     violations = []
     held = defaultdict(dict)  # (decode, inc) -> page -> attempt key
     for e in events:
@@ -67,6 +77,8 @@ def check(events):
                     del held[pool][p]
         elif ev == "write_begin":
             k = key(e)
+            if dead_receiver(e, e["t"]):
+                continue  # into a closed connection: nothing of it can land
             writes[k].append(e)
             if ends[k]:
                 violations.append(f"attempt {k} wrote pages {e['pages']} after its release")
@@ -78,6 +90,8 @@ def check(events):
                 fenced[key(e)].append(e)
         elif ev == "sender_stopped":
             stopped[e["sender"]] = e["t"]
+        elif ev == "receiver_stopped":
+            receiver_stops[(e["decode"], e["inc"], e.get("via"))] = e["t"]
     # Every write settled before the release that followed it.
     for k, ws in writes.items():
         if not ends[k]:
@@ -90,7 +104,9 @@ def check(events):
                 w["t"] <= s["t"] <= end
                 and (s["event"] != "write_end" or w.get("backend") == "shm")
                 for s in settles[k]
-            ) or (w["sender"] in stopped and w["t"] <= stopped[w["sender"]] <= end)
+            ) or (w["sender"] in stopped and w["t"] <= stopped[w["sender"]] <= end) or (
+                dead_receiver(w, end)  # every thread that could land it was joined
+            )
             if not settled:
                 violations.append(f"attempt {k}: a write was not settled before its release")
     return {
@@ -99,6 +115,7 @@ def check(events):
         "published": sum(1 for k in ends if ends[k] and ends[k][0]["event"] == "publish"),
         "closed": sum(1 for k in ends if ends[k] and ends[k][0]["event"] == "close"),
         "writes": sum(len(w) for w in writes.values()),
+        "receiver_stops": len(receiver_stops),
         "violations": violations,
     }
 

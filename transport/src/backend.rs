@@ -14,16 +14,15 @@
 //! | `tcp`   | any host     | one framed run per write, read by decode straight into pages |
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
-use std::ops::Range;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::net::SocketAddr;
+use std::sync::{LazyLock, Mutex};
 
 use duet_gpu::{KvLayout, PageId, PoolMemory};
 use serde::{Deserialize, Serialize};
 
 use crate::ledger::AttemptKey;
 use crate::shm::{ShmError, ShmRegion};
-use crate::tcp::{self, Sink, TcpError, TcpSender};
+use crate::tcp::{TcpError, TcpSender};
 
 /// Which backend moves the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -412,148 +411,9 @@ impl Drop for LocalRegistration {
     }
 }
 
-fn rand_key() -> u64 {
+pub(crate) fn rand_key() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())
-}
-
-/// The byte ranges of a decode pool that each active attempt may write, shared between the
-/// decode worker (which grants when it opens an attempt and revokes once the attempt
-/// completes or drains) and its TCP receiver (which checks every frame before reading it).
-#[derive(Debug, Clone, Default)]
-pub struct Grants(Arc<Mutex<HashMap<AttemptKey, Vec<Range<usize>>>>>);
-
-impl Grants {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AttemptKey, Vec<Range<usize>>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Lets `attempt` write `pages` of a pool of `layout`.
-    pub fn grant(&self, attempt: AttemptKey, layout: &KvLayout, pages: &[PageId]) {
-        let ranges = coalesce(pages.iter().map(|&p| (p, p)))
-            .iter()
-            .map(|r| layout.run_bytes(r.dst, r.n as usize))
-            .collect();
-        self.lock().insert(attempt, ranges);
-    }
-
-    /// Takes the grant back.
-    pub fn revoke(&self, attempt: AttemptKey) {
-        self.lock().remove(&attempt);
-    }
-
-    /// Whether `attempt` may write `len` bytes at `offset`.
-    pub fn allows(&self, attempt: AttemptKey, offset: u64, len: u32) -> bool {
-        let Ok(start) = usize::try_from(offset) else {
-            return false;
-        };
-        let Some(end) = start.checked_add(len as usize) else {
-            return false;
-        };
-        self.lock()
-            .get(&attempt)
-            .is_some_and(|rs| rs.iter().any(|r| r.start <= start && end <= r.end))
-    }
-}
-
-/// Lands granted frames in a pool.
-struct PoolSink {
-    memory: PoolMemory,
-    grants: Grants,
-    on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
-}
-
-impl Sink for PoolSink {
-    #[allow(unsafe_code)]
-    fn landing(&mut self, attempt: u64, offset: u64, len: u32) -> Result<&mut [u8], TcpError> {
-        if !self.grants.allows(attempt, offset, len) {
-            return Err(TcpError::NotGranted {
-                attempt,
-                offset,
-                len,
-            });
-        }
-        // SAFETY: the range lies in pages granted to an active (or draining) attempt, which
-        // decode neither reads nor reuses until the attempt completes or its drain is proven.
-        // In bounds: grants are page ranges of this pool (checked again by `slice_mut`).
-        unsafe { self.memory.slice_mut(offset as usize, len as usize) }.map_err(|_| {
-            TcpError::OutOfBounds {
-                offset,
-                len,
-                size: self.memory.len(),
-            }
-        })
-    }
-
-    fn landed(&mut self, _attempt: u64, _offset: u64, len: u32) {
-        (self.on_bytes)(u64::from(len));
-    }
-}
-
-/// Decode's TCP receiver: accepts prefill connections that open with the secret and lands
-/// their granted frames in the pool, one thread per connection. Stops accepting when dropped
-/// (connections end when their sender closes or misbehaves).
-#[derive(Debug)]
-pub struct TcpReceiver {
-    addr: SocketAddr,
-    secret: u64,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl TcpReceiver {
-    /// Listens on `bind` (port 0 picks one) for writers into `memory`.
-    pub fn start(
-        bind: SocketAddr,
-        memory: PoolMemory,
-        grants: Grants,
-        on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
-    ) -> Result<TcpReceiver, TransportError> {
-        let listener = TcpListener::bind(bind).map_err(TcpError::from)?;
-        let addr = listener.local_addr().map_err(TcpError::from)?;
-        let secret = rand_key();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        std::thread::Builder::new()
-            .name("duet-kv-receiver".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    if flag.load(std::sync::atomic::Ordering::Relaxed) {
-                        return;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    let mut sink = PoolSink {
-                        memory: memory.clone(),
-                        grants: grants.clone(),
-                        on_bytes: on_bytes.clone(),
-                    };
-                    let spawned = std::thread::Builder::new()
-                        .name("duet-kv-conn".into())
-                        .spawn(move || {
-                            if let Err(e) = tcp::receive(stream, secret, &mut sink) {
-                                tracing::warn!(error = %e, "kv connection closed");
-                            }
-                        });
-                    if let Err(e) = spawned {
-                        tracing::error!(error = %e, "cannot serve a kv connection");
-                    }
-                }
-            })
-            .map_err(TcpError::from)?;
-        Ok(TcpReceiver { addr, secret, stop })
-    }
-
-    /// The address and secret to advertise.
-    pub fn endpoint(&self) -> (SocketAddr, u64) {
-        (self.addr, self.secret)
-    }
-}
-
-impl Drop for TcpReceiver {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Wake the accept loop so it sees the flag.
-        let _ = std::net::TcpStream::connect(self.addr);
-    }
 }
 
 /// This host's identity, for choosing shared memory when both sides share it.
@@ -568,6 +428,9 @@ mod tests {
     use duet_gpu::{KvDtype, KvPool};
 
     use super::*;
+    use std::sync::Arc;
+
+    use crate::receiver::{Grants, TcpReceiver};
 
     fn layout() -> KvLayout {
         KvLayout {

@@ -345,14 +345,7 @@ impl TransferLedger {
             Side::Source => AbortReason::ConsumerFailure,
             Side::Destination => AbortReason::ProducerFailure,
         };
-        let keys: Vec<AttemptKey> = self
-            .attempts
-            .iter()
-            .filter(|(_, a)| {
-                a.peer == peer && matches!(a.state, State::Active | State::Draining { .. })
-            })
-            .map(|(k, _)| *k)
-            .collect();
+        let keys = self.live_with(peer);
         for &k in &keys {
             if self.state(k) == Some(State::Active) {
                 // Even an old attempt (room reused) must stop being Active before it closes.
@@ -373,6 +366,18 @@ impl TransferLedger {
             self.drained(k, alloc)?;
         }
         Ok(keys)
+    }
+
+    /// The attempts with `peer` that still hold pages (active or draining): those
+    /// [`endpoint_destroyed`](Self::endpoint_destroyed) would close.
+    pub fn live_with(&self, peer: &str) -> Vec<AttemptKey> {
+        self.attempts
+            .iter()
+            .filter(|(_, a)| {
+                a.peer == peer && matches!(a.state, State::Active | State::Draining { .. })
+            })
+            .map(|(k, _)| *k)
+            .collect()
     }
 
     /// Draining attempts whose abort is older than `backstop_ms`: their acknowledgement is

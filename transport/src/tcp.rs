@@ -127,8 +127,10 @@ pub struct Received {
 pub trait Sink {
     /// The bytes a frame of `len` bytes at `offset` for `attempt` lands in, or why it may not.
     fn landing(&mut self, attempt: u64, offset: u64, len: u32) -> Result<&mut [u8], TcpError>;
-    /// Called once the frame's bytes are in place.
-    fn landed(&mut self, _attempt: u64, _offset: u64, _len: u32) {}
+    /// Called once the frame's read ended, after every [`landing`](Sink::landing) that
+    /// succeeded: `ok` when its bytes are all in place, false when the read failed midway
+    /// (some may have landed; no more will).
+    fn landed(&mut self, _attempt: u64, _offset: u64, _len: u32, _ok: bool) {}
 }
 
 /// A plain buffer takes any in-bounds frame (benchmarks and tests).
@@ -181,8 +183,9 @@ pub fn receive(
         }
         match kind {
             DATA => {
-                stream.read_exact(sink.landing(attempt, offset, len)?)?;
-                sink.landed(attempt, offset, len);
+                let read = stream.read_exact(sink.landing(attempt, offset, len)?);
+                sink.landed(attempt, offset, len, read.is_ok());
+                read?;
                 got.bytes += u64::from(len);
                 got.frames += 1;
             }

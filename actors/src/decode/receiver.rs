@@ -1,0 +1,185 @@
+//! Decode's KV receiver as a supervised actor (`NODE/decode/receiver`, kind `kv_receiver`).
+//!
+//! The TCP receiver (the listener, and one thread per prefill connection landing frames in
+//! the pool) belongs to the [`ReceiverHub`], which the decode worker and this actor share, as
+//! prefill's worker and KV sender share theirs. The worker installs a receiver for its pool
+//! when it starts. Killing this actor halts the receiver: its connections shut down at once,
+//! so prefill's writes on them fail. The successor stops it for good (joins every connection
+//! thread: from then on nothing it accepted can land), starts a new one on a new port with a
+//! new secret, and tells the worker, which advertises the new endpoint in later notices and
+//! fails the transfers the old receiver carried, freeing their pages at once (the endpoint
+//! that could write them is destroyed) and telling prefill to stop them.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use duet_gpu::PoolMemory;
+use duet_runtime::metrics as m;
+use duet_transport::{Grants, TcpReceiver};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::Cmd;
+use crate::history;
+
+/// What a receiver is built from (set by each decode worker incarnation).
+#[derive(Clone)]
+pub(super) struct ReceiverParts {
+    /// Where to listen (this node's host, any port).
+    pub bind: SocketAddr,
+    pub memory: PoolMemory,
+    pub grants: Grants,
+    /// The worker's engine thread, told when a restart replaced the receiver.
+    pub cmds: std_mpsc::Sender<Cmd>,
+    /// The worker incarnation (its pool), for the transfer history.
+    pub worker: u64,
+    pub node: String,
+}
+
+/// The hand-off between a decode worker and its KV receiver actor.
+#[derive(Default)]
+pub struct ReceiverHub {
+    inner: Mutex<HubInner>,
+    /// Receiver actor starts so far (the first finds the worker's receiver running).
+    actor_starts: AtomicU64,
+}
+
+#[derive(Default)]
+struct HubInner {
+    parts: Option<ReceiverParts>,
+    receiver: Option<TcpReceiver>,
+}
+
+/// The address and secret prefill connects with.
+pub(super) type TcpEndpoint = (SocketAddr, u64);
+
+impl ReceiverHub {
+    fn lock(&self) -> MutexGuard<'_, HubInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A worker incarnation starts: stops any earlier receiver (joined) and starts one for
+    /// its pool. `None` when the host gives no TCP listener (prefill can then write by shm or
+    /// in process only). Blocking.
+    pub(super) fn install(&self, parts: ReceiverParts) -> Option<TcpEndpoint> {
+        let mut inner = self.lock();
+        if let Some(old) = inner.receiver.take() {
+            old.stop();
+        }
+        inner.parts = Some(parts);
+        Self::start(&mut inner)
+    }
+
+    /// Worker incarnation `worker` is gone: its receiver halts (connections shut down; the
+    /// next install or restart joins them) and nothing is built from its parts again.
+    pub(super) fn retire(&self, worker: u64) {
+        let mut inner = self.lock();
+        if inner.parts.as_ref().is_some_and(|p| p.worker == worker) {
+            inner.parts = None;
+        }
+        if let Some(r) = inner.receiver.as_ref() {
+            r.halt();
+        }
+    }
+
+    /// The receiver actor stopped: halt the receiver until its successor replaces it.
+    fn halt(&self) {
+        if let Some(r) = self.lock().receiver.as_ref() {
+            r.halt();
+        }
+    }
+
+    /// The receiver actor restarted: stop the old receiver for good, start a new one, and
+    /// tell the worker which attempts the old one carried. Blocking.
+    fn replace(&self) {
+        let mut inner = self.lock();
+        let old = inner.receiver.take();
+        let Some(parts) = inner.parts.clone() else {
+            if let Some(old) = old {
+                old.stop();
+            }
+            return; // no worker now: its next incarnation installs one
+        };
+        // The new one listens before the old one closes, so their addresses differ: a write
+        // meant for the old one can never reach the new one (nor could it pass its secret).
+        // Nobody knows the new endpoint yet, so every attempt with TCP bytes is the old one's.
+        let tcp = Self::start(&mut inner);
+        if let Some(old) = old {
+            let (addr, _) = old.endpoint();
+            old.stop();
+            // Every connection thread is joined: no frame of these attempts can land any more.
+            let carried = parts.grants.tcp_attempts();
+            history::record_with(
+                "receiver_stopped",
+                &parts.node,
+                parts.worker,
+                0,
+                &[],
+                serde_json::json!({ "via": addr.to_string(), "carried": carried }),
+            );
+            let _ = parts.cmds.send(Cmd::ReceiverRestarted { tcp, carried });
+        } else {
+            let _ = parts.cmds.send(Cmd::ReceiverRestarted {
+                tcp,
+                carried: Vec::new(),
+            });
+        }
+    }
+
+    fn start(inner: &mut HubInner) -> Option<TcpEndpoint> {
+        let p = inner.parts.as_ref()?;
+        match TcpReceiver::start(
+            p.bind,
+            p.memory.clone(),
+            p.grants.clone(),
+            Arc::new(|n| metrics::counter!(m::KV_BYTES_RECEIVED).increment(n)),
+        ) {
+            Ok(r) => {
+                let endpoint = r.endpoint();
+                inner.receiver = Some(r);
+                Some(endpoint)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no TCP receiver: prefill can write only by shm");
+                None
+            }
+        }
+    }
+}
+
+/// The KV receiver as a supervised actor: stopping it halts the receiver; its successor
+/// replaces it and has the worker fail the transfers the old one carried.
+pub struct KvReceiverActor;
+
+/// The receiver actor's state: dropping it (the actor stopped or was killed) halts the
+/// receiver.
+pub struct KvReceiverState {
+    hub: Arc<ReceiverHub>,
+}
+
+impl Drop for KvReceiverState {
+    fn drop(&mut self) {
+        self.hub.halt();
+    }
+}
+
+impl Actor for KvReceiverActor {
+    type Msg = ();
+    type State = KvReceiverState;
+    type Arguments = Arc<ReceiverHub>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<()>,
+        hub: Arc<ReceiverHub>,
+    ) -> Result<KvReceiverState, ActorProcessingErr> {
+        let first = hub.actor_starts.fetch_add(1, Ordering::SeqCst) == 0;
+        if !first {
+            let h = hub.clone();
+            tokio::task::spawn_blocking(move || h.replace()).await?;
+            tracing::warn!("KV receiver restarted; the transfers it carried fail");
+        }
+        Ok(KvReceiverState { hub })
+    }
+}
