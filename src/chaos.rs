@@ -17,6 +17,7 @@ use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
 use duet_runtime::admin::client::{self, Method};
 use duet_runtime::config::Role;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
@@ -158,12 +159,20 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
         }));
     }
     // The killer.
+    // Kills deal from a shuffled deck of every target: random order, yet each kind is hit
+    // once per round (a short run still reaches every actor).
     let targets = targets(&config);
+    let mut deck: Vec<String> = Vec::new();
     let mut kills: BTreeMap<String, u64> = BTreeMap::new();
     let mut next = epoch + Duration::from_secs_f64(args.kill_every);
     while next < end {
         tokio::time::sleep_until(next.into()).await;
-        let path = &targets[rng.random_range(0..targets.len())];
+        if deck.is_empty() {
+            deck = targets.clone();
+            deck.shuffle(&mut rng);
+        }
+        let Some(path) = deck.pop() else { break };
+        let path = &path;
         let node = path.split('/').next().unwrap_or_default();
         if let Some(n) = config.node(node) {
             let killed = client::call(
