@@ -9,7 +9,6 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use duet_engine::fetch;
 use serde_json::Value;
 
 /// One cluster at a time: two on two cores turn timing into noise.
@@ -29,10 +28,7 @@ async fn chaos_over_tcp_loses_nothing() {
 /// and the history checked.
 async fn run_chaos(extra: &str, secs: u64) {
     let _serial = SERIAL.lock().await;
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    let model = fetch::ensure_model(&model, &mut |_| {}).expect("the real model");
+    let model = real_model();
     let http = free_ports(1)[0];
     let extra = format!(
         "[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{http}\"\nkv_pages = 256\n\

@@ -4,22 +4,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
 use serde_json::{Value, json};
 
 const PAGE: usize = 16;
 const CHUNK: usize = 32;
-
-fn real_model() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
-}
 
 fn serving(model: &Path, http: u16, extra: &str) -> String {
     format!(
@@ -74,21 +67,7 @@ fn colocated(model_path: &Path, prompts: &[Vec<u32>], params: &SamplingParams) -
 }
 
 async fn complete(http: u16, body: Value) -> (u16, Value) {
-    let out = tokio::process::Command::new("curl")
-        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
-        .arg("content-type: application/json")
-        .arg("-d")
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-        .output()
-        .await
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(json_text).unwrap_or(Value::Null),
-    )
+    curl_completion(http, &body).await
 }
 
 fn text_of(v: &Value) -> String {

@@ -3,17 +3,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use common::*;
-use duet_engine::fetch;
-
-fn real_model() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
-}
 
 fn json(out: &Output) -> serde_json::Value {
     assert!(out.status.success(), "duet generate failed: {}", out.stderr);

@@ -7,18 +7,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
-use duet_engine::fetch;
 use serde_json::{Value, json};
 
 /// One cluster at a time: three clusters on two cores turn timing into noise.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn real_model() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
-}
 
 fn serving(http: u16, extra: &str) -> String {
     format!(
@@ -87,24 +79,12 @@ async fn pair_cluster(extra: &str, env: &[(&str, &str)]) -> (ClusterDir, Running
 
 /// One completion through curl: `Ok(text)` on HTTP 200, `Err(status and body)` otherwise.
 async fn complete(http: u16, body: Value) -> Result<String, String> {
-    let out = tokio::process::Command::new("curl")
-        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
-        .arg("content-type: application/json")
-        .arg("-d")
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-        .output()
-        .await
-        .map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    let v: Value = serde_json::from_str(json_text).unwrap_or(Value::Null);
-    match code.trim() {
-        "200" => Ok(v["choices"][0]["text"]
+    match curl_completion(http, &body).await {
+        (200, v) => Ok(v["choices"][0]["text"]
             .as_str()
             .unwrap_or_default()
             .to_string()),
-        other => Err(format!("HTTP {other}: {json_text}")),
+        (code, v) => Err(format!("HTTP {code}: {v}")),
     }
 }
 
@@ -182,6 +162,81 @@ async fn sigterm_on_a_prefill_node_under_load_fails_nothing() {
         "p1 drained in {drain_took:?} after {served_before} chunks; {} requests, none failed",
         results.len()
     );
+}
+
+/// Issue 8, item 6: a decode node started later with the cluster's config and credentials
+/// joins the running cluster and takes traffic, with nothing restarted. Once d0 drains and
+/// leaves, every request can only be served on the newcomer d1, and is (equal to `duet
+/// generate`); no actor restarted anywhere, and the router and p0 never lost each other.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_node_started_later_joins_and_takes_traffic() {
+    let _serial = SERIAL.lock().await;
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[
+            ("router", "router"),
+            ("p0", "prefill"),
+            ("d0", "decode"),
+            ("d1", "decode"),
+        ],
+        &serving(http, ""),
+    );
+    c.credentials(&c.config).await;
+    let _router = Running::node(&c.config, "router").await;
+    let _p0 = Running::node(&c.config, "p0").await;
+    let d0 = Running::node(&c.config, "d0").await;
+    router_ready(http, 2).await;
+    let token = c.token();
+    let incarnation = |node: &'static str, peer: &'static str| {
+        let (addr, token) = (c.admin(node), token.clone());
+        async move {
+            admin_get(addr, &token, "/v1/membership")
+                .await
+                .expect("membership")["peers"][peer]["incarnation"]
+                .clone()
+        }
+    };
+    let p0_seen = incarnation("router", "p0").await;
+    let prompt = long_prompt(5100);
+    let want = generate_reference(&prompt, 8).await;
+    let body = json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+    assert_eq!(complete(http, body).await.as_deref(), Ok(want.as_str()));
+
+    let _d1 = Running::node(&c.config, "d1").await;
+    router_ready(http, 3).await;
+    let status = d0.terminate().await;
+    assert!(status.success(), "d0 exited with {status}");
+    router_ready(http, 2).await; // p0 and d1
+    let completed_on_d1 = || {
+        metric(
+            c.admin("d1"),
+            &token,
+            "duet_transfers_total",
+            "outcome=\"completed\"",
+        )
+    };
+    let before = completed_on_d1().await;
+    for i in 0..3 {
+        let prompt = long_prompt(5200 + i);
+        let want = generate_reference(&prompt, 8).await;
+        let body = json!({"prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+        assert_eq!(complete(http, body).await.as_deref(), Ok(want.as_str()));
+    }
+    assert_eq!(
+        completed_on_d1().await - before,
+        3.0,
+        "every request after d0 left was served on d1"
+    );
+    for node in ["router", "p0", "d1"] {
+        let restarts = metric(c.admin(node), &token, "duet_actor_restarts_total", "").await;
+        assert_eq!(restarts, 0.0, "{node} restarted an actor");
+    }
+    assert_eq!(
+        incarnation("router", "p0").await,
+        p0_seen,
+        "p0 was not restarted"
+    );
+    assert_quiet(&c, &["p0", "d1"]).await;
 }
 
 /// Everything in flight has drained on `nodes`: no queue, no sequence, no pinned or

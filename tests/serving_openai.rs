@@ -8,16 +8,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use duet_engine::fetch;
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
-
-fn real_model() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
-}
 
 /// A virtual environment with the `openai` package, made once per target directory (and once
 /// per test process: the tests of this file would otherwise race to create it).

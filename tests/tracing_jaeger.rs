@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use duet_engine::{Model, fetch};
+use duet_engine::Model;
 use serde_json::{Value, json};
 
 const CHUNK: usize = 32;
@@ -91,13 +91,6 @@ impl Drop for Jaeger {
     fn drop(&mut self) {
         let _ = self.child.start_kill();
     }
-}
-
-fn real_model() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("models")
-        .join(fetch::MODEL_FILE);
-    fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
 }
 
 fn service_of<'a>(trace: &'a Value, span: &Value) -> &'a str {

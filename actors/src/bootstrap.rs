@@ -20,8 +20,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, PREFILL_SERVICE, PreallocNotice, PrefillRequest,
-    PrefillStart, TransferFailed, WORKER_SERVICE, kinds,
+    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, FailureClass, PREFILL_SERVICE, PreallocNotice,
+    PrefillRequest, PrefillStart, TransferFailed, WORKER_SERVICE, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -309,6 +309,7 @@ impl BootstrapState {
                 room: start.notice.room,
                 attempt: Some(start.notice.attempt),
                 error: format!("prefill bootstrap: {e}"),
+                class: FailureClass::Restart,
             };
             self.send(&start.request.decode, kinds::FAILED, &failed)
                 .await;
@@ -350,6 +351,7 @@ impl BootstrapState {
                     room,
                     attempt: None,
                     error,
+                    class: FailureClass::Attempt,
                 };
                 self.send(&r.decode, kinds::FAILED, &failed).await;
             }
@@ -368,6 +370,7 @@ impl BootstrapState {
                     error: format!(
                         "prefill bootstrap: the router's request never arrived within {limit:?}"
                     ),
+                    class: FailureClass::Attempt,
                 };
                 self.send(&decode, kinds::FAILED, &failed).await;
             }

@@ -43,9 +43,9 @@ use tokio::task::JoinHandle;
 use crate::history;
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
-    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, Cancel, ChunkWritten, Generate, Heartbeat,
-    LayoutHello, LayoutInfo, LoadReport, PreallocNotice, PrefillPeer, ROUTER_SERVICE, TokenBatch,
-    TokenItem, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
+    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, Cancel, ChunkWritten, FailureClass, Generate,
+    Heartbeat, LayoutHello, LayoutInfo, LoadReport, PreallocNotice, PrefillPeer, ROUTER_SERVICE,
+    TokenBatch, TokenItem, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -717,14 +717,14 @@ impl DecodeCore {
                         .is_some_and(|t| t.attempt == attempt);
                     if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
                         self.end_transfer(&t, AbortReason::ProducerFailure, true);
-                        self.fail(t.seq, f.error, items);
+                        self.fail_as(t.seq, f.error, f.class, items);
                     } else if !self.close_draining(attempt) {
                         stale("failed");
                     }
                 } else {
                     let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
                     for p in gone {
-                        self.fail(p.seq, f.error.clone(), items);
+                        self.fail_as(p.seq, f.error.clone(), f.class, items);
                     }
                 }
             }
@@ -779,9 +779,10 @@ impl DecodeCore {
                     attempt: Some(t.attempt),
                 },
             );
-            self.fail(
+            self.fail_as(
                 t.seq,
                 "decode transfer: the KV receiver restarted (its connections closed)".into(),
+                FailureClass::Restart,
                 items,
             );
         }
@@ -1103,6 +1104,7 @@ impl DecodeCore {
                         finish: ev.finish,
                         error: None,
                         cached_tokens: ev.cached_tokens,
+                        class: FailureClass::Attempt,
                     },
                 ));
                 if finished {
@@ -1348,6 +1350,17 @@ impl DecodeCore {
 
     /// Fails a request to its router (if it still has one).
     fn fail(&mut self, seq: u64, error: String, items: &mut Vec<(String, TokenItem)>) {
+        self.fail_as(seq, error, FailureClass::Attempt, items);
+    }
+
+    /// [`fail`](Self::fail) with a failure class.
+    fn fail_as(
+        &mut self,
+        seq: u64,
+        error: String,
+        class: FailureClass,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
         if let Some((root, phase)) = self.spans.remove(&seq) {
             tracing::warn!(parent: &phase, %error, "request failed");
             drop(root);
@@ -1355,7 +1368,7 @@ impl DecodeCore {
         self.first_tokens.remove(&seq);
         if let Some((router, request)) = self.owners.remove(&seq) {
             self.seqs.remove(&(router.clone(), request));
-            items.push((router, TokenItem::failed(request, error)));
+            items.push((router, TokenItem::failed_as(request, error, class)));
         }
     }
 
@@ -1390,6 +1403,7 @@ impl DecodeCore {
                             finish: ev.finish,
                             error: None,
                             cached_tokens: ev.cached_tokens,
+                            class: FailureClass::Attempt,
                         },
                     ));
                 }

@@ -40,8 +40,9 @@ use crate::decode::{engine_options, install_drain_probe, layout_info, load_model
 use crate::history;
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
-    Abort, AbortAck, ChunkWritten, Heartbeat, LayoutHello, LayoutInfo, LoadReport, PREFILL_SERVICE,
-    PrefillStart, RunChecksum, TransferDone, TransferFailed, WORKER_SERVICE, WorkerKind, kinds,
+    Abort, AbortAck, ChunkWritten, FailureClass, Heartbeat, LayoutHello, LayoutInfo, LoadReport,
+    PREFILL_SERVICE, PrefillStart, RunChecksum, TransferDone, TransferFailed, WORKER_SERVICE,
+    WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -314,7 +315,7 @@ enum Job {
     Drain {
         seq: u64,
         to: Target,
-        failed: Option<String>,
+        failed: Option<(String, FailureClass)>,
     },
 }
 
@@ -420,7 +421,7 @@ impl PrefillCore {
                 let decode = start.request.decode.clone();
                 let room = start.notice.room;
                 let ps = self.runner.engine.options().page_size;
-                let fail = |me: &Self, error: String| {
+                let fail_as = |me: &Self, error: String, class: FailureClass| {
                     me.outbox.send(
                         &decode,
                         WORKER_SERVICE,
@@ -429,9 +430,11 @@ impl PrefillCore {
                             room,
                             attempt: Some(start.notice.attempt),
                             error,
+                            class,
                         },
                     );
                 };
+                let fail = |me: &Self, error: String| fail_as(me, error, FailureClass::Attempt);
                 if start
                     .notice
                     .prefill_incarnation
@@ -439,10 +442,11 @@ impl PrefillCore {
                 {
                     // Decode closes what it noticed to an earlier worker when it hears of this
                     // one: writing it now could land in pages already given back.
-                    return fail(
+                    return fail_as(
                         self,
                         "prefill bootstrap: the notice was for an earlier prefill worker (it restarted)"
                             .into(),
+                        FailureClass::Restart,
                     );
                 }
                 let n = start.request.prompt.len();
@@ -548,20 +552,30 @@ impl PrefillCore {
                 }
             }
             Cmd::SendFailed { seq, error } => {
-                self.abort_flight(seq, AbortReason::ConsumerFailure, Some(error));
+                self.abort_flight(
+                    seq,
+                    AbortReason::ConsumerFailure,
+                    Some((error, FailureClass::Attempt)),
+                );
             }
             // Every flight may have had jobs in the lost queue: each drains through the new
             // thread (its fence covers what that thread wrote; the old one is joined).
-            Cmd::SenderRestarted => {
-                self.fail_all("prefill transfer: the KV sender restarted".into())
-            }
+            Cmd::SenderRestarted => self.fail_all_as(
+                "prefill transfer: the KV sender restarted".into(),
+                FailureClass::Restart,
+            ),
             Cmd::Shutdown => {}
         }
     }
 
     /// Stops computing a flight and has the sender drain it (then acknowledge, or report the
     /// failure, to decode).
-    fn abort_flight(&mut self, seq: u64, reason: AbortReason, failed: Option<String>) {
+    fn abort_flight(
+        &mut self,
+        seq: u64,
+        reason: AbortReason,
+        failed: Option<(String, FailureClass)>,
+    ) {
         let now = self.epoch.elapsed().as_millis() as u64;
         let Some(f) = self.flights.get_mut(&seq) else {
             return;
@@ -735,10 +749,18 @@ impl PrefillCore {
     }
 
     fn fail_all(&mut self, error: String) {
+        self.fail_all_as(error, FailureClass::Attempt);
+    }
+
+    fn fail_all_as(&mut self, error: String, class: FailureClass) {
         tracing::error!(%error, "prefill failed");
         let seqs: Vec<u64> = self.flights.keys().copied().collect();
         for seq in seqs {
-            self.abort_flight(seq, AbortReason::ProducerFailure, Some(error.clone()));
+            self.abort_flight(
+                seq,
+                AbortReason::ProducerFailure,
+                Some((error.clone(), class)),
+            );
         }
     }
 
@@ -1123,7 +1145,7 @@ impl KvSender {
                     }
                     self.progress.remove(&to.attempt);
                     match failed {
-                        Some(error) => self.outbox.send(
+                        Some((error, class)) => self.outbox.send(
                             &to.node,
                             WORKER_SERVICE,
                             kinds::FAILED,
@@ -1131,6 +1153,7 @@ impl KvSender {
                                 room: to.room,
                                 attempt: Some(to.attempt),
                                 error: format!("prefill transfer: {error}"),
+                                class,
                             },
                         ),
                         None => self.outbox.send(

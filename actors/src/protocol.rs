@@ -272,6 +272,19 @@ pub struct RunChecksum {
     pub crc: u32,
 }
 
+/// Why an attempt failed, as the router's retry budget sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FailureClass {
+    /// The attempt failed (a deadline, a worker that died holding it, bad KV): a retry
+    /// spends one of the request's `serving.retries`.
+    #[default]
+    Attempt,
+    /// Serving machinery restarted under it (a KV sender or receiver, a service between two
+    /// actor incarnations): never the request's doing, so a retry is free (after a short
+    /// pause, a bounded number of times).
+    Restart,
+}
+
 /// P → D: the prefill failed (its writes, if any, have drained).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferFailed {
@@ -281,6 +294,9 @@ pub struct TransferFailed {
     pub attempt: Option<u64>,
     /// Names the phase and the cause.
     pub error: String,
+    /// What kind of failure it is (decode passes it on to the router).
+    #[serde(default)]
+    pub class: FailureClass,
 }
 
 /// P → D, every load interval.
@@ -337,11 +353,19 @@ pub struct TokenItem {
     pub error: Option<String>,
     /// Prompt tokens served from the prefix cache (first item only).
     pub cached_tokens: usize,
+    /// With `error`: what kind of failure.
+    #[serde(default)]
+    pub class: FailureClass,
 }
 
 impl TokenItem {
-    /// A failure item.
+    /// A failure item of the attempt.
     pub fn failed(request: u64, error: String) -> TokenItem {
+        TokenItem::failed_as(request, error, FailureClass::Attempt)
+    }
+
+    /// A failure item of the given class.
+    pub fn failed_as(request: u64, error: String, class: FailureClass) -> TokenItem {
         TokenItem {
             request,
             token: None,
@@ -350,6 +374,7 @@ impl TokenItem {
             finish: None,
             error: Some(error),
             cached_tokens: 0,
+            class,
         }
     }
 }

@@ -15,6 +15,34 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+/// The real model (SmolLM2-135M Q4_1) under `models/`, fetched if missing.
+pub fn real_model() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("models")
+        .join(duet_engine::fetch::MODEL_FILE);
+    duet_engine::fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
+}
+
+/// One `/v1/completions` request through curl (a real HTTP client): the status and the body
+/// (`Null` when it is not JSON).
+pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
+    let out = Command::new("curl")
+        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+        .output()
+        .await
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(json_text).unwrap_or(Value::Null),
+    )
+}
+
 /// The `duet` binary under test.
 pub fn duet_bin() -> &'static str {
     env!("CARGO_BIN_EXE_duet")

@@ -21,7 +21,7 @@ use tracing::Instrument;
 
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use super::{Placement, RouterShared, Started};
-use crate::protocol::TokenItem;
+use crate::protocol::{FailureClass, TokenItem};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -379,20 +379,18 @@ impl Generation {
         })
     }
 
-    /// Starts the next attempt after `error` ended the current one; `Err` when there is none.
-    async fn next_attempt(&mut self, error: &str) -> Result<(), String> {
+    /// Starts the next attempt after `error` (of `class`) ended the current one; `Err` when
+    /// there is none.
+    async fn next_attempt(&mut self, error: &str, class: FailureClass) -> Result<(), String> {
         let migrating = !self.generated.is_empty();
         // The budget bounds attempts that fail without progress (a request that crashes
         // every worker it meets). The router's own restart is not the request's failure, and
         // an attempt that streamed tokens made progress: neither costs an attempt.
-        // A service refusing while its actor restarts never reached a worker, and a restart of
-        // prefill's KV sender (a thread of copies) is never the request's doing: free too,
-        // after a pause (the restart takes a moment). At most 50 such (5 s): a service that
-        // stays down is a failure like any other.
-        let refused = (error.contains("is not running")
-            || error.contains("it restarted)")
-            || error.contains("the KV sender restarted"))
-            && self.refusals < 50;
+        // A failure of class `Restart` (a service refusing while its actor restarts, a
+        // restart of a KV sender or receiver) is never the request's doing: free too, after a
+        // pause (the restart takes a moment). At most 50 such (5 s): a service that stays down
+        // is a failure like any other.
+        let refused = class == FailureClass::Restart && self.refusals < 50;
         if refused {
             self.refusals += 1;
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -475,7 +473,7 @@ impl Generation {
                 }
             };
             if let Some(error) = item.error.clone() {
-                match self.next_attempt(&error).await {
+                match self.next_attempt(&error, item.class).await {
                     Ok(()) => continue,
                     Err(e) => {
                         self.finished = true;

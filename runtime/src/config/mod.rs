@@ -32,6 +32,8 @@ pub const ACTOR_KINDS: &[&str] = &[
     "router",
     "worker",
     "bootstrap",
+    "kv_sender",
+    "kv_receiver",
 ];
 
 /// Largest `max_restarts` accepted; beyond this a crash loop is no longer a policy.

@@ -48,6 +48,15 @@ fn per_kind_policy_overrides_default() {
 }
 
 #[test]
+fn every_serving_actor_kind_takes_a_policy() {
+    for kind in ["router", "bootstrap", "worker", "kv_sender", "kv_receiver"] {
+        let text = format!("[supervision.{kind}]\nmax_restarts = 3\n{NODES}");
+        let c = parse(&text).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(c.supervision.policy(kind).max_restarts, 3, "{kind}");
+    }
+}
+
+#[test]
 fn the_repository_default_cluster_is_valid() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster.toml");
     let c = ClusterConfig::load(&path).expect("default cluster.toml is valid");
