@@ -77,6 +77,15 @@ async fn pair_cluster(extra: &str, env: &[(&str, &str)]) -> (ClusterDir, Running
     (c, up, http, history)
 }
 
+/// The files of a cluster of `nodes` (config with serving `extra`, credentials) whose nodes
+/// a test starts one by one; and the router's HTTP port.
+async fn cluster_files(nodes: &[(&str, &str)], extra: &str) -> (ClusterDir, u16) {
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(nodes, &serving(http, extra));
+    c.credentials(&c.config).await;
+    (c, http)
+}
+
 /// One completion through curl: `Ok(text)` on HTTP 200, `Err(status and body)` otherwise.
 async fn complete(http: u16, body: Value) -> Result<String, String> {
     match curl_completion(http, &body).await {
@@ -94,17 +103,16 @@ async fn complete(http: u16, body: Value) -> Result<String, String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_on_a_prefill_node_under_load_fails_nothing() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
+    let (c, http) = cluster_files(
         &[
             ("router", "router"),
             ("p0", "prefill"),
             ("p1", "prefill"),
             ("d0", "decode"),
         ],
-        &serving(http, "shutdown_drain_secs = 30\n"),
-    );
-    c.credentials(&c.config).await;
+        "shutdown_drain_secs = 30\n",
+    )
+    .await;
     let mut nodes = Vec::new();
     for name in ["router", "p0", "d0"] {
         nodes.push(Running::node(&c.config, name).await);
@@ -171,17 +179,16 @@ async fn sigterm_on_a_prefill_node_under_load_fails_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_decode_node_started_later_joins_and_takes_traffic() {
     let _serial = SERIAL.lock().await;
-    let http = free_ports(1)[0];
-    let c = ClusterDir::new(
+    let (c, http) = cluster_files(
         &[
             ("router", "router"),
             ("p0", "prefill"),
             ("d0", "decode"),
             ("d1", "decode"),
         ],
-        &serving(http, ""),
-    );
-    c.credentials(&c.config).await;
+        "",
+    )
+    .await;
     let _router = Running::node(&c.config, "router").await;
     let _p0 = Running::node(&c.config, "p0").await;
     let d0 = Running::node(&c.config, "d0").await;

@@ -770,15 +770,7 @@ impl DecodeCore {
                 continue;
             };
             self.end_transfer(&t, AbortReason::ConsumerFailure, true);
-            self.outbox.send(
-                &t.peer.node,
-                BOOTSTRAP_SERVICE,
-                kinds::ABORT,
-                &Abort {
-                    room: t.peer.room,
-                    attempt: Some(t.attempt),
-                },
-            );
+            Self::abort_at_prefill(&self.outbox, &t);
             self.fail_as(
                 t.seq,
                 "decode transfer: the KV receiver restarted (its connections closed)".into(),
@@ -807,6 +799,19 @@ impl DecodeCore {
             &Abort {
                 room: p.peer.room,
                 attempt: None,
+            },
+        );
+    }
+
+    /// Tells prefill to abort its side of a transfer (it drains, then acknowledges).
+    fn abort_at_prefill(outbox: &Outbox, t: &Transfer) {
+        outbox.send(
+            &t.peer.node,
+            BOOTSTRAP_SERVICE,
+            kinds::ABORT,
+            &Abort {
+                room: t.peer.room,
+                attempt: Some(t.attempt),
             },
         );
     }
@@ -1167,15 +1172,7 @@ impl DecodeCore {
         } else {
             self.draining
                 .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
-            self.outbox.send(
-                &t.peer.node,
-                BOOTSTRAP_SERVICE,
-                kinds::ABORT,
-                &Abort {
-                    room: t.peer.room,
-                    attempt: Some(t.attempt),
-                },
-            );
+            Self::abort_at_prefill(&self.outbox, t);
         }
     }
 

@@ -424,15 +424,16 @@ pub fn host_id() -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    use std::sync::Arc;
+
     use duet_gpu::{KvDtype, KvPool};
 
     use super::*;
-    use std::sync::Arc;
-
     use crate::receiver::{Grants, TcpReceiver};
 
-    fn layout() -> KvLayout {
+    /// A small layout for transport tests.
+    pub(crate) fn layout() -> KvLayout {
         KvLayout {
             n_layers: 2,
             n_kv_heads: 1,

@@ -394,20 +394,11 @@ mod tests {
     use std::io::Write;
     use std::net::TcpListener;
 
-    use duet_gpu::{KvDtype, KvPool};
+    use duet_gpu::KvPool;
 
     use super::*;
+    use crate::backend::tests::layout;
     use crate::backend::{Backend, Endpoint, connect, host_id};
-
-    fn layout() -> KvLayout {
-        KvLayout {
-            n_layers: 2,
-            n_kv_heads: 1,
-            head_dim: 8,
-            page_size: 4,
-            dtype: KvDtype::F32,
-        }
-    }
 
     fn deadline_poll(what: &str, mut f: impl FnMut() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -431,12 +422,12 @@ mod tests {
         h
     }
 
-    #[test]
-    fn revoking_waits_out_a_frame_being_read_and_cuts_one_that_stalls() {
+    /// A receiver into an 8-page pool where `attempt` may write `pages`.
+    fn receiving(attempt: AttemptKey, pages: &[PageId]) -> (KvLayout, KvPool, Grants, TcpReceiver) {
         let l = layout();
         let dst = KvPool::new(l, 8).unwrap();
         let grants = Grants::default();
-        grants.grant(7, &l, &[1]);
+        grants.grant(attempt, &l, pages);
         let rx = TcpReceiver::start(
             "127.0.0.1:0".parse().unwrap(),
             dst.memory(),
@@ -444,6 +435,12 @@ mod tests {
             Arc::new(|_| {}),
         )
         .unwrap();
+        (l, dst, grants, rx)
+    }
+
+    #[test]
+    fn revoking_waits_out_a_frame_being_read_and_cuts_one_that_stalls() {
+        let (l, dst, grants, rx) = receiving(7, &[1]);
         let (addr, secret) = rx.endpoint();
         let mut s = TcpStream::connect(addr).unwrap();
         let page = l.run_bytes(1, 1);
@@ -490,17 +487,7 @@ mod tests {
 
     #[test]
     fn a_stopped_receiver_lands_nothing_more_and_closes_its_connections() {
-        let l = layout();
-        let dst = KvPool::new(l, 8).unwrap();
-        let grants = Grants::default();
-        grants.grant(7, &l, &[1]);
-        let rx = TcpReceiver::start(
-            "127.0.0.1:0".parse().unwrap(),
-            dst.memory(),
-            grants.clone(),
-            Arc::new(|_| {}),
-        )
-        .unwrap();
+        let (l, _dst, grants, rx) = receiving(7, &[1]);
         let endpoint = Endpoint {
             host: host_id(),
             local: None,
