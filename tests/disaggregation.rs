@@ -320,15 +320,7 @@ async fn a_client_gone_mid_transfer_drains_before_pages_free() {
     let token = c.token();
     // A long prompt (many chunks): the client leaves while prefill streams it.
     let body = json!({"prompt": prompt_ids(&model, 420), "max_tokens": 4, "stream": true});
-    let curl = tokio::process::Command::new("curl")
-        .args(["-s", "-N", "--max-time", "600", "-H"])
-        .arg("content-type: application/json")
-        .arg("-d")
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("curl");
+    let curl = curl_stream(http, &body, std::process::Stdio::null());
     poll(
         "prefill streaming pages",
         Duration::from_secs(60),
@@ -509,16 +501,7 @@ struct Stream {
 impl Stream {
     fn open(http: u16, body: Value) -> Stream {
         use tokio::io::AsyncBufReadExt;
-        let mut curl = tokio::process::Command::new("curl")
-            .args(["-s", "-N", "--max-time", "300", "-H"])
-            .arg("content-type: application/json")
-            .arg("-d")
-            .arg(body.to_string())
-            .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("curl");
+        let mut curl = curl_stream(http, &body, std::process::Stdio::piped());
         let out = curl.stdout.take().expect("stdout");
         Stream {
             lines: tokio::io::BufReader::new(out).lines(),

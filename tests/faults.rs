@@ -299,18 +299,7 @@ async fn a_storm_of_32_cancellations_leaves_nothing_behind() {
     for i in 0..32 {
         let body = json!({"prompt": long_prompt(i), "max_tokens": 64, "ignore_eos": true,
                           "stream": true});
-        curls.push(
-            tokio::process::Command::new("curl")
-                .args(["-s", "-N", "--max-time", "300", "-H"])
-                .arg("content-type: application/json")
-                .arg("-d")
-                .arg(body.to_string())
-                .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-                .stdout(std::process::Stdio::null())
-                .kill_on_drop(true)
-                .spawn()
-                .expect("curl"),
-        );
+        curls.push(curl_stream(http, &body, std::process::Stdio::null()));
     }
     poll("prefill under way", Duration::from_secs(60), || async {
         (metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await >= 1.0).then_some(())

@@ -51,7 +51,7 @@ use crate::settings::ServingConfig;
 
 mod receiver;
 
-pub use receiver::{KvReceiverActor, ReceiverHub};
+pub use receiver::ReceiverHub;
 
 /// The decode worker actor.
 pub struct DecodeWorker;

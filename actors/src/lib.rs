@@ -16,6 +16,7 @@
 //! - [`prefill`]: the prefill worker and its KV sender.
 //! - [`decode`]: the decode worker (continuous batch, local prefill of short prompts, the
 //!   receiving side of transfers).
+//! - [`handoff`]: the supervised actor of the KV sender's and KV receiver's threads.
 //! - [`outbox`]: ordered one-way messages from engine threads.
 //! - [`history`]: the page-ownership event log that fault tests check independently.
 //! - [`settings`]: the `[serving]` table of cluster.toml.
@@ -28,6 +29,7 @@ use duet_runtime::supervisor::ChildSpec;
 
 pub mod bootstrap;
 pub mod decode;
+pub mod handoff;
 pub mod history;
 pub mod outbox;
 pub mod prefill;
@@ -59,7 +61,7 @@ pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
                     (prefill::PrefillWorker, (c2.clone(), hub.clone()))
                 }),
                 ChildSpec::actor("sender", "kv_sender", move || {
-                    (prefill::KvSenderActor, hub2.clone())
+                    (handoff::HandOffActor::default(), hub2.clone())
                 }),
             ]
         }
@@ -72,7 +74,7 @@ pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
                     (decode::DecodeWorker, (c.clone(), hub.clone()))
                 }),
                 ChildSpec::actor("receiver", "kv_receiver", move || {
-                    (decode::KvReceiverActor, hub2.clone())
+                    (handoff::HandOffActor::default(), hub2.clone())
                 }),
             ]
         }

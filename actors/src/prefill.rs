@@ -37,6 +37,7 @@ use rand::Rng;
 use tokio::task::JoinHandle;
 
 use crate::decode::{engine_options, install_drain_probe, layout_info, load_model, report_load};
+use crate::handoff::HandOff;
 use crate::history;
 use crate::outbox::{self, Outbox};
 use crate::protocol::{
@@ -894,57 +895,32 @@ impl SenderHub {
         inner.thread = Some((stop, handle));
         Ok(())
     }
+}
 
-    /// Tells the current worker its sender restarted.
-    fn notify_restart(&self) {
-        if let Some(p) = self.lock().parts.as_ref() {
-            let _ = p.done.send(Cmd::SenderRestarted);
-        }
+/// The KV sender as a supervised actor (`NODE/prefill/sender`): killing it stops the sender
+/// thread after its current write; its successor starts a new one and has the worker fail the
+/// rooms the old one held (their pages stay pinned until they drain through the new thread).
+impl HandOff for SenderHub {
+    const WHAT: &'static str = "KV sender";
+
+    fn actor_starts(&self) -> &std::sync::atomic::AtomicU64 {
+        &self.actor_starts
     }
-}
 
-/// The KV sender as a supervised actor: killing it stops the sender thread (after its current
-/// write), and its successor starts a new one and has the worker fail the rooms the old one
-/// held (their pages stay pinned until they drain through the new thread).
-pub struct KvSenderActor;
-
-/// The sender actor's state: stopping it stops its thread.
-pub struct KvSenderState {
-    hub: Arc<SenderHub>,
-}
-
-impl Drop for KvSenderState {
-    fn drop(&mut self) {
-        // Stop the thread after its current job; the successor joins it.
-        let mut inner = self.hub.lock();
+    fn halt(&self) {
+        let mut inner = self.lock();
         inner.jobs = None;
         if let Some((stop, _)) = inner.thread.as_ref() {
             stop.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     }
-}
 
-impl Actor for KvSenderActor {
-    type Msg = ();
-    type State = KvSenderState;
-    type Arguments = Arc<SenderHub>;
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<()>,
-        hub: Arc<SenderHub>,
-    ) -> Result<KvSenderState, ActorProcessingErr> {
-        let first = hub
-            .actor_starts
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-            == 0;
-        if !first {
-            let h = hub.clone();
-            tokio::task::spawn_blocking(move || h.replace_thread(None)).await??;
-            hub.notify_restart();
-            tracing::warn!("KV sender restarted; the rooms it held fail and drain");
+    fn replace(&self) -> Result<(), String> {
+        self.replace_thread(None).map_err(|e| e.to_string())?;
+        if let Some(p) = self.lock().parts.as_ref() {
+            let _ = p.done.send(Cmd::SenderRestarted);
         }
-        Ok(KvSenderState { hub })
+        Ok(())
     }
 }
 

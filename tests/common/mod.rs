@@ -43,6 +43,21 @@ pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
     )
 }
 
+/// A streaming `/v1/completions` request through curl (`-N`: no buffering), its body to
+/// `stdout`; killed when dropped (a client that leaves).
+pub fn curl_stream(http: u16, body: &Value, stdout: Stdio) -> Child {
+    Command::new("curl")
+        .args(["-s", "-N", "--max-time", "600", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{http}/v1/completions"))
+        .stdout(stdout)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("curl")
+}
+
 /// The `duet` binary under test.
 pub fn duet_bin() -> &'static str {
     env!("CARGO_BIN_EXE_duet")

@@ -443,6 +443,25 @@ pub(crate) mod tests {
         }
     }
 
+    /// A receiver into an 8-page pool where `attempt` may write `pages`.
+    pub(crate) fn receiving(
+        attempt: AttemptKey,
+        pages: &[PageId],
+    ) -> (KvLayout, KvPool, Grants, TcpReceiver) {
+        let l = layout();
+        let dst = KvPool::new(l, 8).unwrap();
+        let grants = Grants::default();
+        grants.grant(attempt, &l, pages);
+        let rx = TcpReceiver::start(
+            "127.0.0.1:0".parse().unwrap(),
+            dst.memory(),
+            grants.clone(),
+            Arc::new(|_| {}),
+        )
+        .unwrap();
+        (l, dst, grants, rx)
+    }
+
     #[test]
     fn runs_are_consecutive_on_both_sides() {
         let runs = coalesce([(1, 7), (2, 8), (3, 9), (5, 10), (6, 2)]);
@@ -566,16 +585,7 @@ pub(crate) mod tests {
         check_backend(Backend::Shm, &dst, &endpoint);
 
         // tcp, with grants
-        let dst = KvPool::new(l, 8).unwrap();
-        let grants = Grants::default();
-        grants.grant(9, &l, &[5, 6, 0]);
-        let rx = TcpReceiver::start(
-            "127.0.0.1:0".parse().unwrap(),
-            dst.memory(),
-            grants.clone(),
-            Arc::new(|_| {}),
-        )
-        .unwrap();
+        let (_, dst, _grants, rx) = receiving(9, &[5, 6, 0]);
         let endpoint = Endpoint {
             host: host_id(),
             local: None,

@@ -397,7 +397,7 @@ mod tests {
     use duet_gpu::KvPool;
 
     use super::*;
-    use crate::backend::tests::layout;
+    use crate::backend::tests::{layout, receiving};
     use crate::backend::{Backend, Endpoint, connect, host_id};
 
     fn deadline_poll(what: &str, mut f: impl FnMut() -> bool) {
@@ -420,22 +420,6 @@ mod tests {
         h.extend(offset.to_le_bytes());
         h.extend(len.to_le_bytes());
         h
-    }
-
-    /// A receiver into an 8-page pool where `attempt` may write `pages`.
-    fn receiving(attempt: AttemptKey, pages: &[PageId]) -> (KvLayout, KvPool, Grants, TcpReceiver) {
-        let l = layout();
-        let dst = KvPool::new(l, 8).unwrap();
-        let grants = Grants::default();
-        grants.grant(attempt, &l, pages);
-        let rx = TcpReceiver::start(
-            "127.0.0.1:0".parse().unwrap(),
-            dst.memory(),
-            grants.clone(),
-            Arc::new(|_| {}),
-        )
-        .unwrap();
-        (l, dst, grants, rx)
     }
 
     #[test]

@@ -11,16 +11,16 @@
 //! that could write them is destroyed) and telling prefill to stop them.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use duet_gpu::PoolMemory;
 use duet_runtime::metrics as m;
 use duet_transport::{Grants, TcpReceiver};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::Cmd;
+use crate::handoff::HandOff;
 use crate::history;
 
 /// What a receiver is built from (set by each decode worker incarnation).
@@ -83,16 +83,9 @@ impl ReceiverHub {
         }
     }
 
-    /// The receiver actor stopped: halt the receiver until its successor replaces it.
-    fn halt(&self) {
-        if let Some(r) = self.lock().receiver.as_ref() {
-            r.halt();
-        }
-    }
-
     /// The receiver actor restarted: stop the old receiver for good, start a new one, and
     /// tell the worker which attempts the old one carried. Blocking.
-    fn replace(&self) {
+    fn replace_receiver(&self) {
         let mut inner = self.lock();
         let old = inner.receiver.take();
         let Some(parts) = inner.parts.clone() else {
@@ -148,38 +141,24 @@ impl ReceiverHub {
     }
 }
 
-/// The KV receiver as a supervised actor: stopping it halts the receiver; its successor
-/// replaces it and has the worker fail the transfers the old one carried.
-pub struct KvReceiverActor;
+/// The KV receiver as a supervised actor (`NODE/decode/receiver`): stopping it halts the
+/// receiver; its successor replaces it and has the worker fail the transfers the old one
+/// carried.
+impl HandOff for ReceiverHub {
+    const WHAT: &'static str = "KV receiver";
 
-/// The receiver actor's state: dropping it (the actor stopped or was killed) halts the
-/// receiver.
-pub struct KvReceiverState {
-    hub: Arc<ReceiverHub>,
-}
-
-impl Drop for KvReceiverState {
-    fn drop(&mut self) {
-        self.hub.halt();
+    fn actor_starts(&self) -> &AtomicU64 {
+        &self.actor_starts
     }
-}
 
-impl Actor for KvReceiverActor {
-    type Msg = ();
-    type State = KvReceiverState;
-    type Arguments = Arc<ReceiverHub>;
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<()>,
-        hub: Arc<ReceiverHub>,
-    ) -> Result<KvReceiverState, ActorProcessingErr> {
-        let first = hub.actor_starts.fetch_add(1, Ordering::SeqCst) == 0;
-        if !first {
-            let h = hub.clone();
-            tokio::task::spawn_blocking(move || h.replace()).await?;
-            tracing::warn!("KV receiver restarted; the transfers it carried fail");
+    fn halt(&self) {
+        if let Some(r) = self.lock().receiver.as_ref() {
+            r.halt();
         }
-        Ok(KvReceiverState { hub })
+    }
+
+    fn replace(&self) -> Result<(), String> {
+        self.replace_receiver();
+        Ok(())
     }
 }
