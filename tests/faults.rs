@@ -666,8 +666,8 @@ fn pool_files(pid: i32) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-/// A decode process killed with SIGKILL cannot unlink its shared-memory pool; the next decode
-/// process of that node removes it when it starts.
+/// A decode process killed with SIGKILL cannot unlink its shared-memory pool and claim table;
+/// the next decode process of that node removes them when it starts.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sigkilled_decode_pool_file_is_removed_by_its_successor() {
     let _serial = SERIAL.lock().await;
@@ -680,15 +680,21 @@ async fn a_sigkilled_decode_pool_file_is_removed_by_its_successor() {
     let d0 = Running::node(&c.config, "d0").await;
     let pid = d0.pid();
     let files = pool_files(pid);
-    assert_eq!(files.len(), 1, "one pool file for d0: {files:?}");
-    d0.kill_hard().await;
-    assert!(files[0].exists(), "SIGKILL left the pool file behind");
-    let d0 = Running::node(&c.config, "d0").await;
-    assert!(
-        !files[0].exists(),
-        "the successor removed the stale pool file"
+    assert_eq!(
+        files.len(),
+        2,
+        "d0's pool file and its claim table: {files:?}"
     );
-    assert_eq!(pool_files(d0.pid()).len(), 1);
+    d0.kill_hard().await;
+    assert!(
+        files.iter().all(|f| f.exists()),
+        "SIGKILL left the files behind"
+    );
+    let d0 = Running::node(&c.config, "d0").await;
+    for f in &files {
+        assert!(!f.exists(), "the successor removed {}", f.display());
+    }
+    assert_eq!(pool_files(d0.pid()).len(), 2);
 }
 
 /// The checker itself: a history that breaks each rule is refused, naming the rule; a sound
@@ -705,82 +711,76 @@ async fn the_history_checker_catches_each_violation() {
         v.to_string()
     };
     let w = |backend: &str| json!({"sender": "aa", "backend": backend, "via": "r1"});
-    let stop = |via: &str| json!({"via": via});
+    let at = |offset: u64| json!({ "offset": offset });
     let sound = vec![
+        // tcp: prefill hands bytes to a socket; decode's receiver lands them.
         ev(1, "open", 1, &[1, 2], Value::Null),
         ev(2, "write_begin", 1, &[1, 2], w("tcp")),
-        ev(3, "write_end", 1, &[], w("tcp")),
-        ev(4, "fenced", 1, &[], w("tcp")),
-        ev(5, "publish", 1, &[], Value::Null),
-        ev(6, "open", 2, &[3], Value::Null),
-        ev(7, "write_begin", 2, &[3], w("shm")),
-        ev(8, "write_end", 2, &[], w("shm")),
-        ev(9, "close", 2, &[], Value::Null),
+        ev(3, "land_begin", 1, &[1, 2], at(100)),
+        ev(4, "write_end", 1, &[], w("tcp")),
+        ev(5, "land_end", 1, &[], at(100)),
+        ev(6, "fenced", 1, &[], w("tcp")),
+        ev(7, "publish", 1, &[], Value::Null),
+        // shm: the writer copies under its claim.
+        ev(8, "open", 2, &[3], Value::Null),
+        ev(9, "write_begin", 2, &[3], w("shm")),
+        ev(10, "write_end", 2, &[], w("shm")),
+        ev(11, "close", 2, &[], Value::Null),
     ];
     let cases: Vec<(&str, Vec<String>)> = vec![
         ("sound", sound.clone()),
+        (
+            "sound: a tcp write after the release, refused by the receiver",
+            {
+                let mut h = sound.clone();
+                h.push(ev(12, "write_begin", 1, &[1], w("tcp")));
+                h
+            },
+        ),
         ("after its release", {
             let mut h = sound.clone();
-            h.push(ev(10, "write_begin", 2, &[3], w("shm")));
+            h.push(ev(12, "write_begin", 2, &[3], w("shm")));
+            h
+        }),
+        ("after its release", {
+            let mut h = sound.clone();
+            h.push(ev(12, "land_begin", 1, &[2], at(200)));
             h
         }),
         ("released twice", {
             let mut h = sound.clone();
-            h.push(ev(10, "close", 2, &[], Value::Null));
+            h.push(ev(12, "close", 2, &[], Value::Null));
             h
         }),
         (
+            // A frame still landing when decode let the pages go.
             "not settled",
             vec![
                 ev(1, "open", 1, &[1], Value::Null),
-                ev(2, "write_begin", 1, &[1], w("tcp")),
-                ev(3, "write_end", 1, &[], w("tcp")),
+                ev(2, "land_begin", 1, &[1], at(100)),
+                ev(3, "land_end", 1, &[], at(300)),
                 ev(4, "close", 1, &[], Value::Null),
+                ev(5, "land_end", 1, &[], at(100)),
             ],
         ),
         (
-            // A TCP write cut short: decode's receiver stopped (every connection thread
-            // joined) before the pages were released.
-            // (and a later write into its closed connection cannot land either).
-            "sound: receiver stopped",
-            vec![
-                ev(1, "open", 1, &[1], Value::Null),
-                ev(2, "write_begin", 1, &[1], w("tcp")),
-                ev(3, "receiver_stopped", 0, &[], stop("r1")),
-                ev(4, "close", 1, &[], Value::Null),
-                ev(5, "write_end", 1, &[], w("tcp")),
-                ev(6, "write_begin", 1, &[1], w("tcp")),
-            ],
-        ),
-        (
-            // Another receiver's stop says nothing about this write.
-            "not settled",
-            vec![
-                ev(1, "open", 1, &[1], Value::Null),
-                ev(2, "write_begin", 1, &[1], w("tcp")),
-                ev(3, "receiver_stopped", 0, &[], stop("r2")),
-                ev(4, "close", 1, &[], Value::Null),
-                ev(5, "write_end", 1, &[], w("tcp")),
-            ],
-        ),
-        (
-            // Nor about a shm write.
+            // A shm copy that ended after the release (its claim was not respected).
             "not settled",
             vec![
                 ev(1, "open", 1, &[1], Value::Null),
                 ev(2, "write_begin", 1, &[1], w("shm")),
-                ev(3, "receiver_stopped", 0, &[], stop("r1")),
-                ev(4, "close", 1, &[], Value::Null),
-                ev(5, "write_end", 1, &[], w("shm")),
+                ev(3, "close", 1, &[], Value::Null),
+                ev(4, "write_end", 1, &[], w("shm")),
             ],
         ),
         (
-            "after its release",
+            // A landing is not settled by prefill's end of writing.
+            "not settled",
             vec![
                 ev(1, "open", 1, &[1], Value::Null),
-                ev(2, "receiver_stopped", 0, &[], stop("r2")),
-                ev(3, "close", 1, &[], Value::Null),
-                ev(4, "write_begin", 1, &[1], w("tcp")),
+                ev(2, "land_begin", 1, &[1], at(100)),
+                ev(3, "write_end", 1, &[], w("tcp")),
+                ev(4, "close", 1, &[], Value::Null),
             ],
         ),
         (
@@ -797,6 +797,13 @@ async fn the_history_checker_catches_each_violation() {
             vec![
                 ev(1, "open", 1, &[1], Value::Null),
                 ev(2, "write_begin", 1, &[1, 9], w("shm")),
+            ],
+        ),
+        (
+            "outside its reservation",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "land_begin", 1, &[9], at(900)),
             ],
         ),
         (

@@ -8,7 +8,10 @@ use duet_engine::sampling::Sampled;
 use duet_engine::scheduler::Resume;
 use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
 use duet_gpu::KvDtype;
-use duet_transport::{Backend, Endpoint, LocalRegistration, coalesce, connect};
+use duet_transport::{
+    Backend, ClaimTable, Endpoint, Grants, LocalRegistration, Revocation, coalesce, connect,
+    unwatched,
+};
 
 const PAGE: usize = 16;
 const CHUNK: usize = 32;
@@ -36,10 +39,14 @@ fn disaggregated(
     params: &SamplingParams,
 ) -> String {
     let reg = LocalRegistration::new(d.engine.pool.memory());
+    // Decode's grants: the local writer copies each run under a claim decode can revoke.
+    let claims = format!("local-transfer-{}-{}", std::process::id(), prompt.len());
+    let grants = Grants::with_claims(ClaimTable::create(&claims, 32).expect("claim table"));
     let endpoint = Endpoint {
         host: duet_transport::host_id(),
         local: Some(reg.key()),
         shm: None,
+        claims: Some(claims),
         tcp: None,
     };
     let mut t = connect(&endpoint, Backend::Local).expect("connect");
@@ -49,6 +56,7 @@ fn disaggregated(
         .alloc
         .alloc(prompt.len().div_ceil(PAGE))
         .expect("pages");
+    let grant = grants.grant(1, d.engine.pool.layout(), &dst);
     p.scheduler
         .submit_prefill(1, prompt.to_vec(), params.clone(), Resume::default())
         .expect("submit");
@@ -68,8 +76,14 @@ fn disaggregated(
         let src = &p.scheduler.pages(1).expect("pages")[sent..upto];
         let runs = coalesce(src.iter().copied().zip(dst[sent..upto].iter().copied()));
         let layout = *p.engine.pool.layout();
-        t.write(1, &p.engine.pool.memory(), &layout, &runs)
-            .expect("write");
+        t.write(
+            grant,
+            &p.engine.pool.memory(),
+            &layout,
+            &runs,
+            &mut unwatched,
+        )
+        .expect("write");
         sent = upto;
         let events = p
             .scheduler
@@ -83,6 +97,7 @@ fn disaggregated(
             .expect("commit");
         if let Some(ev) = events.into_iter().find(|e| e.handoff.is_some()) {
             t.fence(1).expect("fence");
+            assert_eq!(grants.revoke(1), Revocation::Proven);
             let first = d
                 .scheduler
                 .admit_transferred(

@@ -10,8 +10,13 @@
 //!      │ (waits, in order, while the pool is short:              │   the ledger publishes)
 //!      │  backpressure lands on P's bootstrap queue)             ▼
 //!      └─ cancel: Abort{attempt: None}                        running (the scheduler's batch)
-//!   transfer ── cancel / deadline / P failed ──► draining (pins kept) ── AbortAck ──► pages free
+//!   transfer ── cancel / deadline / P failed ──► draining (pins kept) ── revoke proven ──► pages free
 //! ```
+//!
+//! An aborted transfer's pages are freed only on proof that no write of it can land: the
+//! attempt's grant revoked with no writer holding it (see `duet_transport::grants`). A writer
+//! that holds its claim (copying a run, or paused mid-copy for any length) keeps the pages
+//! quarantined; no deadline frees them.
 //!
 //! The engine computes on a thread of its own; the actor is its front for remote messages.
 //! Everything that touches pages (the scheduler, the prefix cache, the transfer ledger) lives
@@ -34,7 +39,9 @@ use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use duet_transport::shm::ShmRegion;
-use duet_transport::{AbortReason, Endpoint, Grants, LocalRegistration, Side, TransferLedger};
+use duet_transport::{
+    AbortReason, ClaimTable, Endpoint, Grants, LocalRegistration, Revocation, Side, TransferLedger,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -195,7 +202,21 @@ impl Actor for DecodeWorker {
             tokio::task::spawn_blocking(move || build_decode_runner(&s, &name)).await??
         };
         let layout = layout_info(&runner.engine.model, runner.engine.options());
-        let grants = Grants::default();
+        // Writers that map the pool (shm, local) write only under a claim decode can revoke:
+        // one slot per page, so every live attempt has one.
+        let claims_name = format!("{shm_name}-claims");
+        let grants = match shm
+            .then(|| ClaimTable::create(&claims_name, runner.engine.pool.capacity()))
+            .transpose()
+        {
+            Ok(Some(table)) => Grants::with_claims(table),
+            Ok(None) => Grants::default(),
+            Err(e) => {
+                tracing::warn!(error = %e, "no claim table: no shared-memory transfers");
+                Grants::default()
+            }
+        };
+        let shm = shm && grants.has_claims();
         let memory = runner.engine.pool.memory();
         // The receiver listens on this node's host only (loopback unless the operator put
         // the node elsewhere); a connection must open with the secret in our endpoint.
@@ -207,6 +228,7 @@ impl Actor for DecodeWorker {
             cmds: cmd_tx.clone(),
             worker: incarnation,
             node: ctx.me.name.clone(),
+            page_bytes: runner.engine.pool.layout().page_bytes(),
         };
         let tcp = {
             let hub = receivers.clone();
@@ -217,6 +239,7 @@ impl Actor for DecodeWorker {
             host: duet_transport::host_id(),
             local: Some(local.key()),
             shm: shm.then(|| shm_name.clone()),
+            claims: grants.has_claims().then_some(claims_name),
             tcp,
         };
         let node = ctx.me.name.clone();
@@ -261,6 +284,7 @@ impl Actor for DecodeWorker {
                 prealloc: VecDeque::new(),
                 transfers: HashMap::new(),
                 draining: HashMap::new(),
+                stalled: HashSet::new(),
                 ready: HashSet::new(),
                 epoch: Instant::now(),
                 last_fence_ms: 0,
@@ -545,7 +569,8 @@ struct DecodeCore {
     checksum: bool,
     /// How long an abort may go unacknowledged before decode asks again (drain fence).
     drain_fence: Duration,
-    /// How long an abort may go unacknowledged before the prefill side is treated as gone.
+    /// How long an abort may stay unproven before decode raises the alarm (the pages stay
+    /// quarantined: time is never proof).
     forced_drain: Duration,
     max_running: usize,
     next_seq: u64,
@@ -556,8 +581,11 @@ struct DecodeCore {
     prealloc: VecDeque<Prealloc>,
     /// By (prefill node, room).
     transfers: HashMap<(String, u64), Transfer>,
-    /// Aborted attempts waiting for their AbortAck: attempt -> (prefill node, room).
+    /// Aborted attempts whose pages are quarantined until their revoke is proven:
+    /// attempt -> (prefill node, room).
     draining: HashMap<u64, (String, u64)>,
+    /// Quarantined attempts already reported as past the backstop.
+    stalled: HashSet<u64>,
     /// Prefill nodes whose hello succeeded.
     ready: HashSet<String>,
     epoch: Instant,
@@ -689,11 +717,11 @@ impl DecodeCore {
                     Self::drop_bootstrap_half(&self.outbox, &p);
                 }
             }
-            Cmd::PeerGone(node, why) => self.peer_gone(&node, &why, items),
+            Cmd::PeerGone(node, why) => self.lose_peer(&node, &why, false, items),
             Cmd::PrefillIncarnation(node, incarnation) => {
                 self.prefill_incarnations.insert(node, incarnation);
             }
-            Cmd::PeerDown(node, why) => self.peer_down(&node, &why, items),
+            Cmd::PeerDown(node, why) => self.lose_peer(&node, &why, true, items),
             Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
                 Some(t) if t.attempt == c.attempt => t.bytes = c.bytes,
                 _ => stale("chunk"),
@@ -716,9 +744,9 @@ impl DecodeCore {
                         .get(&key)
                         .is_some_and(|t| t.attempt == attempt);
                     if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
-                        self.end_transfer(&t, AbortReason::ProducerFailure, true);
+                        self.end_transfer(&t, AbortReason::ProducerFailure, false);
                         self.fail_as(t.seq, f.error, f.class, items);
-                    } else if !self.close_draining(attempt) {
+                    } else if !self.settle(attempt) {
                         stale("failed");
                     }
                 } else {
@@ -729,15 +757,15 @@ impl DecodeCore {
                 }
             }
             Cmd::AbortAck(node, a) => {
-                // Only the peer the attempt was with can prove its writes drained.
-                if self
-                    .draining
-                    .get(&a.attempt)
-                    .is_some_and(|(n, _)| *n == node)
-                {
-                    self.close_draining(a.attempt);
-                } else {
-                    stale("abort_ack");
+                // Prefill says its writes drained: a reason to ask the grant again now (the
+                // revoke is the proof). Most acknowledgements come after the revoke was
+                // already proven; only one for another peer's attempt is stale.
+                match self.draining.get(&a.attempt) {
+                    Some((n, _)) if *n == node => {
+                        self.settle(a.attempt);
+                    }
+                    Some(_) => stale("abort_ack"),
+                    None => {}
                 }
             }
             Cmd::ReceiverRestarted { tcp, carried } => {
@@ -749,9 +777,7 @@ impl DecodeCore {
 
     /// The KV receiver was replaced: later notices carry its endpoint, and the transfers the
     /// old one carried fail. Their pages are free at once: every thread that could land a
-    /// frame of theirs is joined. Prefill is told to stop them (its acknowledgement then
-    /// finds nothing to close and is counted stale). A carried attempt already draining
-    /// closes for the same reason.
+    /// frame of theirs is joined, so their revoke is proven. Prefill is told to stop them.
     fn receiver_restarted(
         &mut self,
         tcp: Option<receiver::TcpEndpoint>,
@@ -770,7 +796,6 @@ impl DecodeCore {
                 continue;
             };
             self.end_transfer(&t, AbortReason::ConsumerFailure, true);
-            Self::abort_at_prefill(&self.outbox, &t);
             self.fail_as(
                 t.seq,
                 "decode transfer: the KV receiver restarted (its connections closed)".into(),
@@ -779,7 +804,7 @@ impl DecodeCore {
             );
         }
         for &attempt in carried {
-            self.close_draining(attempt);
+            self.settle(attempt);
         }
         tracing::warn!(
             carried = carried.len(),
@@ -967,7 +992,7 @@ impl DecodeCore {
         };
         history::record("open", &self.node, self.incarnation, attempt, &pages);
         let layout = *self.runner.engine.pool.layout();
-        self.grants.grant(attempt, &layout, &pages);
+        let grant = self.grants.grant(attempt, &layout, &pages);
         let notice = PreallocNotice {
             room: p.peer.room,
             attempt,
@@ -975,6 +1000,7 @@ impl DecodeCore {
             decode_prefix_len: cached,
             incarnation: self.incarnation,
             endpoint: self.endpoint.clone(),
+            claim_slot: grant.slot,
             prefill_incarnation: self.prefill_incarnations.get(&p.peer.node).copied(),
         };
         self.outbox
@@ -1030,13 +1056,28 @@ impl DecodeCore {
             // sent the done, so the pages are drained and free at once; the router retries.
             metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
             tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
-            self.end_transfer(&t, AbortReason::ProducerFailure, true);
+            self.end_transfer(&t, AbortReason::ProducerFailure, false);
             self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
             return;
         }
-        // Revoked first (as everywhere): no frame of the attempt can be landing once the
-        // pages change hands.
-        self.grants.revoke(t.attempt);
+        // Revoked first (as everywhere): no write of the attempt can be landing once the
+        // pages change hands. Prefill fenced before its done, so no claim is held; one that
+        // is means a writer still copies into these pages: never published.
+        if self.grants.revoke(t.attempt) == Revocation::Busy {
+            tracing::error!(
+                room = d.room,
+                attempt = t.attempt,
+                "a writer still holds a complete transfer's claim"
+            );
+            self.end_transfer(&t, AbortReason::ProducerFailure, true);
+            self.fail(
+                t.seq,
+                "decode transfer: a write was still landing after prefill's fence; not served"
+                    .into(),
+                items,
+            );
+            return;
+        }
         let alloc = &mut self.runner.engine.pool.alloc;
         match self.ledger.complete(t.attempt, alloc) {
             Ok((duet_transport::Outcome::Applied, _)) => {
@@ -1154,9 +1195,11 @@ impl DecodeCore {
         Ok(())
     }
 
-    /// Ends a transfer that will not complete: the ledger keeps the pins until P proves its
-    /// writes drained (`closed` when it already did).
-    fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, closed: bool) {
+    /// Ends a transfer that will not complete: aborted in the ledger (never published; the
+    /// pins stay), prefill told to stop writing it (unless `tell_prefill` is false: prefill
+    /// reported the failure itself), and its pages freed as soon as the revoke of its grant
+    /// is proven ([`settle`](Self::settle)); until then they are quarantined.
+    fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, tell_prefill: bool) {
         let now = self.now_ms();
         let alloc = &mut self.runner.engine.pool.alloc;
         let _ = self.ledger.abort(t.attempt, reason, now, alloc);
@@ -1164,33 +1207,36 @@ impl DecodeCore {
         metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
             .increment(1);
-        if closed {
-            self.grants.revoke(t.attempt);
-            if let Ok(duet_transport::Outcome::Applied) = self.ledger.drained(t.attempt, alloc) {
-                history::record("close", &self.node, self.incarnation, t.attempt, &[]);
-            }
-        } else {
-            self.draining
-                .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
+        if tell_prefill {
             Self::abort_at_prefill(&self.outbox, t);
         }
+        self.draining
+            .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
+        self.settle(t.attempt);
     }
 
-    /// Closes an aborted attempt whose writes are proven drained; false if it was not
-    /// draining (a duplicate or late message).
-    fn close_draining(&mut self, attempt: u64) -> bool {
-        if self.draining.remove(&attempt).is_some() {
-            self.grants.revoke(attempt);
-            let drained = self
-                .ledger
-                .drained(attempt, &mut self.runner.engine.pool.alloc);
-            if let Ok(duet_transport::Outcome::Applied) = drained {
-                history::record("close", &self.node, self.incarnation, attempt, &[]);
-            }
-            self.ledger.prune();
-            return true;
+    /// Frees an aborted attempt's pages if no write of it can land any more: its grant is
+    /// revoked and no writer holds it (DESIGN rule 2; the only way pages of an aborted
+    /// attempt come back). True when it closed the attempt; false while a writer holds its
+    /// claim (asked again every turn, see [`expire`](Self::expire)), or when the attempt was
+    /// not draining.
+    fn settle(&mut self, attempt: u64) -> bool {
+        if !self.draining.contains_key(&attempt) {
+            return false;
         }
-        false
+        if self.grants.revoke(attempt) == Revocation::Busy {
+            return false;
+        }
+        self.draining.remove(&attempt);
+        self.stalled.remove(&attempt);
+        let drained = self
+            .ledger
+            .drained(attempt, &mut self.runner.engine.pool.alloc);
+        if let Ok(duet_transport::Outcome::Applied) = drained {
+            history::record("close", &self.node, self.incarnation, attempt, &[]);
+        }
+        self.ledger.prune();
+        true
     }
 
     /// Stops a request wherever it is.
@@ -1215,83 +1261,68 @@ impl DecodeCore {
         }
     }
 
-    /// A prefill node is unreachable: its transfers fail (the router may retry), but a write
-    /// of it may still land, so their pages stay pinned until it acknowledges the abort, its
-    /// restart is seen, or the forced backstop passes.
-    fn peer_down(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
-        self.ready.remove(node);
+    /// A prefill node is unreachable (`forget_peer`: membership marked it down, so its layout
+    /// hello is forgotten too) or its worker restarted: the transfers noticed to it fail (the
+    /// router may retry them) and requests waiting for pages for it fail too. Their pages come
+    /// back once each revoke is proven: at once for a writer that holds no claim, and for a
+    /// paused one mid-copy only when it finishes that run or dies, however long that takes.
+    fn lose_peer(
+        &mut self,
+        node: &str,
+        why: &str,
+        forget_peer: bool,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        if forget_peer {
+            self.ready.remove(node);
+        }
+        // A restarted worker's node stays ready: its layout hello holds for its next worker
+        // incarnation (dropping it without the actor forgetting the hello stalled every later
+        // request for this node until its bootstrap deadline).
+        let phase = if forget_peer { "unreachable" } else { "lost" };
         for t in self.take_transfers(node) {
-            self.end_transfer(&t, AbortReason::ProducerFailure, false);
+            self.end_transfer(&t, AbortReason::ProducerFailure, true);
             self.fail(
                 t.seq,
-                format!("decode transfer: prefill {node} unreachable: {why}"),
+                format!("decode transfer: prefill {node} {phase}: {why}"),
                 items,
             );
         }
         for p in self.take_prealloc(|p| p.peer.node == node) {
             self.fail(
                 p.seq,
-                format!("decode prealloc: prefill {node} unreachable: {why}"),
+                format!("decode prealloc: prefill {node} {phase}: {why}"),
                 items,
             );
             Self::drop_bootstrap_half(&self.outbox, &p);
         }
     }
 
-    /// A prefill worker is gone: nothing of it can write any more.
-    fn peer_gone(&mut self, node: &str, why: &str, items: &mut Vec<(String, TokenItem)>) {
-        // The node stays ready: its layout hello holds for its next worker incarnation (a
-        // node that is really gone is marked down by membership, which forgets the hello).
-        // Dropping it here without the actor forgetting the hello stalled every later
-        // request for this node until its bootstrap deadline.
-        let now = self.now_ms();
-        for k in self.ledger.live_with(node) {
-            self.grants.revoke(k);
-        }
-        for t in self.take_transfers(node) {
-            let _ = self.runner.engine.pool.alloc.release_all(&t.prefix);
-            self.fail(
-                t.seq,
-                format!("decode transfer: prefill {node} lost: {why}"),
-                items,
-            );
-        }
-        match self
-            .ledger
-            .endpoint_destroyed(node, now, &mut self.runner.engine.pool.alloc)
-        {
-            Ok(keys) => {
-                for k in keys {
-                    history::record("close", &self.node, self.incarnation, k, &[]);
-                    self.draining.remove(&k);
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "ledger refused endpoint_destroyed"),
-        }
-        for p in self.take_prealloc(|p| p.peer.node == node) {
-            self.fail(
-                p.seq,
-                format!("decode prealloc: prefill {node} lost: {why}"),
-                items,
-            );
-            Self::drop_bootstrap_half(&self.outbox, &p);
-        }
-    }
-
-    /// Transfers past their deadline fail (and drain); drains whose acknowledgement is overdue
-    /// get a drain fence (again each backstop period) until P answers or is proven gone.
+    /// Transfers past their deadline fail (and drain); quarantined attempts are asked again
+    /// (a writer that held its claim may have finished); those still unproven get a drain
+    /// fence (again each fence interval), and past the backstop an alert. Never a release.
     fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
         let now = self.now_ms();
-        // A drain nobody acknowledged for this long: the peer is treated as gone (logged and
-        // counted; issue-level faults tests hold this path).
+        let quarantined: Vec<u64> = self.draining.keys().copied().collect();
+        for attempt in quarantined {
+            self.settle(attempt);
+        }
         for (attempt, node) in self
             .ledger
             .overdue(now, self.forced_drain.as_millis() as u64)
         {
-            tracing::error!(%node, attempt, "abort unacknowledged past the forced backstop: endpoint destroyed");
-            metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "forced_drain")
-                .increment(1);
-            self.peer_gone(&node, "abort never acknowledged", items);
+            if self.stalled.insert(attempt) {
+                let pages = self.ledger.pages(attempt);
+                tracing::error!(
+                    %node,
+                    attempt,
+                    pages,
+                    backstop = ?self.forced_drain,
+                    "a writer on {node} still holds an aborted transfer's claim past the backstop: \
+                     its pages stay quarantined until it finishes its copy or its process dies"
+                );
+                metrics::counter!(m::QUARANTINE_STALLS, "peer" => node.clone()).increment(1);
+            }
         }
         let backstop = self.drain_fence.as_millis() as u64;
         if now.saturating_sub(self.last_fence_ms) >= backstop {

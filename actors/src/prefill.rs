@@ -30,7 +30,8 @@ use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use duet_transport::{
-    AbortReason, Backend, Endpoint, KvTransport, PageRun, Side, TransferLedger, coalesce,
+    AbortReason, Backend, ClaimError, Endpoint, KvTransport, PageRun, Side, TransferLedger,
+    TransportError, WriteGrant, WriteStage, coalesce,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
@@ -330,6 +331,8 @@ struct Target {
     backend: Backend,
     room: u64,
     attempt: u64,
+    /// What every write of the attempt carries (decode revokes it to stop them).
+    grant: WriteGrant,
 }
 
 /// Which decode pool a transport writes, and how: its node, worker incarnation, backend, and
@@ -410,6 +413,7 @@ impl PrefillCore {
             backend: f.start.backend,
             room: f.start.notice.room,
             attempt: f.start.notice.attempt,
+            grant: f.start.notice.grant(),
         }
     }
 
@@ -887,6 +891,9 @@ impl SenderHub {
             stall_once: env("DUET_FAULT_STALL_TRANSFER_MS")
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_millis),
+            stall_mid_write: env("DUET_FAULT_STALL_MID_WRITE_MS")
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis),
         };
         let handle = std::thread::Builder::new()
             .name(format!("duet-kv-sender-{}", p.node))
@@ -948,6 +955,10 @@ struct KvSender {
     /// Fault injection (`DUET_FAULT_STALL_TRANSFER_MS=N`): the sender's first write waits N
     /// ms first, a partition of the transfer path that outlasts decode's waiting deadline.
     stall_once: Option<Duration>,
+    /// Fault injection (`DUET_FAULT_STALL_MID_WRITE_MS=N`): the sender's first write stops
+    /// for N ms halfway through its first copy, holding its claim (for TCP: a frame half
+    /// sent), as a writer paused mid-copy would.
+    stall_mid_write: Option<Duration>,
 }
 
 #[derive(Default)]
@@ -976,23 +987,7 @@ impl KvSender {
 
     /// Records a transfer-history event of this sender about `to`'s attempt.
     fn record(&self, event: &str, to: &Target, pages: &[PageId]) {
-        if history::enabled() {
-            history::record_with(
-                event,
-                &to.node,
-                to.incarnation,
-                to.attempt,
-                pages,
-                serde_json::json!({
-                    "sender": format!("{:016x}", self.id),
-                    "backend": to.backend.name(),
-                    // Which receiver a TCP write goes to (decode records when it stops one).
-                    "via": (to.backend == Backend::Tcp)
-                        .then(|| to.endpoint.tcp.map(|(addr, _)| addr.to_string()))
-                        .flatten(),
-                }),
-            );
-        }
+        record_write(self.id, event, to, pages);
     }
 
     fn run_jobs(&mut self, jobs: std_mpsc::Receiver<Job>) {
@@ -1205,7 +1200,7 @@ impl KvSender {
                 "fault injection: corrupting a KV byte"
             );
             self.link(to)?
-                .inject(to.attempt, dst_at, &[byte ^ 0xFF])
+                .inject(to.grant, dst_at, &[byte ^ 0xFF])
                 .map_err(|e| e.to_string())?;
         }
         Ok(())
@@ -1246,17 +1241,40 @@ impl KvSender {
             );
             std::thread::sleep(stall);
         }
-        self.link(to)?; // connected first: a write that never started records nothing
-        if history::enabled() {
-            let dst: Vec<PageId> = runs.iter().flat_map(|r| r.dst..r.dst + r.n).collect();
-            self.record("write_begin", to, &dst);
-        }
+        let (id, mid_stall) = (self.id, self.stall_mid_write.take());
+        let dst: Vec<PageId> = if history::enabled() {
+            runs.iter().flat_map(|r| r.dst..r.dst + r.n).collect()
+        } else {
+            Vec::new()
+        };
+        // The history marks a write begun once its grant held (a refused claim wrote nothing)
+        // and ended before its claim is let go, so the checker can order it against decode's
+        // release.
+        let mut watch = |stage: WriteStage| match stage {
+            WriteStage::Started => record_write(id, "write_begin", to, &dst),
+            WriteStage::Midway => {
+                if let Some(stall) = mid_stall {
+                    tracing::warn!(
+                        ?stall,
+                        attempt = to.attempt,
+                        "fault injection: the writer stops mid-copy"
+                    );
+                    std::thread::sleep(stall);
+                }
+            }
+            WriteStage::Copied => record_write(id, "write_end", to, &[]),
+        };
         let link = self.link(to)?;
-        let mut result = match layer {
-            None => link.write(to.attempt, &memory, &layout, runs),
-            Some(l) => link.write_layer(to.attempt, &memory, &layout, runs, l),
+        let written = match layer {
+            None => link.write(to.grant, &memory, &layout, runs, &mut watch),
+            Some(l) => link.write_layer(to.grant, &memory, &layout, runs, l, &mut watch),
+        };
+        if let Err(TransportError::Claim(e @ ClaimError::Revoked { .. })) = &written {
+            // Decode took the grant back (it aborted the attempt): nothing was written and
+            // the transport is fine for other attempts.
+            return Err(format!("decode stopped the transfer: {e}"));
         }
-        .map_err(|e| e.to_string());
+        let mut result = written.map_err(|e| e.to_string());
         // Once per run: a layer-by-layer run draws at its first layer only.
         if self.fail_rate > 0.0
             && result.is_ok()
@@ -1269,7 +1287,6 @@ impl KvSender {
             );
             result = Err("fault injection: the transport failed mid-run".to_string());
         }
-        self.record("write_end", to, &[]);
         if result.is_err() {
             self.drop_link(to);
         }
@@ -1290,5 +1307,26 @@ impl KvSender {
     fn drop_link(&mut self, to: &Target) {
         self.links.remove(&LinkKey::of(to));
         self.record("dropped", to, &[]);
+    }
+}
+
+/// Records a transfer-history event of sender `id` about `to`'s attempt.
+fn record_write(id: u64, event: &str, to: &Target, pages: &[PageId]) {
+    if history::enabled() {
+        history::record_with(
+            event,
+            &to.node,
+            to.incarnation,
+            to.attempt,
+            pages,
+            serde_json::json!({
+                "sender": format!("{id:016x}"),
+                "backend": to.backend.name(),
+                // Which receiver a TCP write goes to (decode records when it stops one).
+                "via": (to.backend == Backend::Tcp)
+                    .then(|| to.endpoint.tcp.map(|(addr, _)| addr.to_string()))
+                    .flatten(),
+            }),
+        );
     }
 }

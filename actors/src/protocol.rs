@@ -19,15 +19,22 @@
 //!     │                   running   │ ledger: complete ─► publish   │  logprob, sampler state}
 //!     │◄── router.events ───────────│ tokens                         │
 //!
-//!   abort (client gone, deadline, failure), from D:
+//!   abort (client gone, deadline, P unreachable or restarted, failure), from D:
 //!     D: ledger abort (pins kept) ── bootstrap.abort ──► P: drop, or stop writing + fence
-//!     D: ledger drained (pins drop) ◄── decode.abort_ack ── P
-//!   no AbortAck within the drain backstop: D ── bootstrap.drain_fence ──► P (again, until
-//!   acknowledged or the prefill worker is proven gone)
+//!     D: revoke the attempt's grant: proven (no writer holds it) ─► ledger drained, pins drop
+//!                                    busy (a run is being copied) ─► quarantined, asked again
+//!     D ◄── decode.abort_ack ── P: a hint to ask again (the revoke is the proof)
+//!   still unproven after the drain fence interval: D ── bootstrap.drain_fence ──► P (again);
+//!   past the backstop: an error naming P, the pages stay quarantined (never freed on a clock)
 //!   P fails a request it cannot prefill: ── decode.failed ──► D (after its writes drained)
-//!   P ── decode.heartbeat {incarnation} ──► D, every load interval: a new incarnation proves
-//!   the old one's writers are gone (their threads were joined), so D's pins on it drop.
+//!   P ── decode.heartbeat {incarnation} ──► D, every load interval: a new incarnation ends
+//!   the transfers D noticed to the old one (each released once its revoke is proven).
 //! ```
+//!
+//! What D controls is what makes a revoke a proof, whatever P does meanwhile (paused, slow,
+//! dead): a TCP frame lands only through D's receiver, which checks the grant first; a write
+//! into D's shared-memory pool happens only under a claim of the attempt's slot in D's claim
+//! table (`duet_transport::claims`), which D revokes. No deadline ever frees a page.
 //!
 //! Queues: P's bootstrap → waiting → in flight; D's prealloc → transfer → running. A request
 //! ends with exactly one item carrying `finish` or `error`, the error naming the phase. A
@@ -38,7 +45,7 @@ use duet_engine::sampling::SamplerState;
 use duet_engine::scheduler::Resume;
 use duet_engine::{FinishReason, SamplingParams};
 use duet_gpu::{KvLayout, PageId};
-use duet_transport::{Backend, Endpoint};
+use duet_transport::{Backend, Endpoint, WriteGrant};
 use serde::{Deserialize, Serialize};
 
 /// Service name of the worker on decode nodes.
@@ -190,11 +197,25 @@ pub struct PreallocNotice {
     pub incarnation: u64,
     /// Where D's pool can be written.
     pub endpoint: Endpoint,
+    /// The slot of D's claim table a writer that maps the pool (`shm`, `local`) claims for
+    /// each run: D revokes it to stop every write of this attempt (`None`: TCP only).
+    #[serde(default)]
+    pub claim_slot: Option<u32>,
     /// The prefill worker incarnation D last heard from (its heartbeat). A worker of another
     /// incarnation refuses the notice: D closes the transfers it noticed to an earlier
     /// incarnation as soon as it hears of the restart, so a later one must never write them.
     #[serde(default)]
     pub prefill_incarnation: Option<u64>,
+}
+
+impl PreallocNotice {
+    /// What every write of this attempt carries.
+    pub fn grant(&self) -> WriteGrant {
+        WriteGrant {
+            attempt: self.attempt,
+            slot: self.claim_slot,
+        }
+    }
 }
 
 /// Bootstrap → prefill worker: a request with its notice, ready to compute.

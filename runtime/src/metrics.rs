@@ -83,6 +83,9 @@ pub const ROUTER_ITL: &str = "duet_router_itl_seconds";
 pub const ROUTER_E2E: &str = "duet_router_e2e_seconds";
 /// KV pages whose transfer was aborted and whose writes are not yet proven drained.
 pub const KV_PAGES_QUARANTINED: &str = "duet_kv_pages_quarantined";
+/// Aborted transfers still unproven past the drain backstop (a writer holds its claim: paused
+/// or stuck mid-copy), by the prefill `peer` that holds it. Their pages stay quarantined.
+pub const QUARANTINE_STALLS: &str = "duet_kv_quarantine_stalls_total";
 /// KV pages in use (referenced or pinned).
 pub const KV_PAGES_USED: &str = "duet_kv_pages_used";
 /// Aborted transfers, by `side` and `reason`.
@@ -148,6 +151,7 @@ pub const ALL: &[&str] = &[
     ROUTER_ITL,
     ROUTER_E2E,
     KV_PAGES_QUARANTINED,
+    QUARANTINE_STALLS,
     KV_PAGES_USED,
     TRANSFER_ABORTS,
     KV_CHECKSUM_FAILURES,

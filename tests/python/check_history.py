@@ -4,16 +4,24 @@
 Reads every DIR/*.jsonl a cluster wrote with DUET_HISTORY_DIR=DIR and checks, per transfer
 attempt (decode node, decode worker incarnation, attempt key):
 
-- no page is written after its attempt released it (closed or published), except by a TCP
-  write to a receiver decode had already stopped (it cannot land: the receiver's listener
-  is closed and every connection thread of it joined);
-- every write is settled (landed: a shm write's end; or fenced; or its connection dropped;
-  or its sender thread stopped; or, for a TCP write, the receiver it went to stopped) before
-  the attempt's pages are released;
+- no page is written after its attempt released it (closed or published);
+- every write is settled before the attempt's pages are released;
 - an attempt's pages are released once (one `close` or one `publish`);
 - nothing is published unless prefill fenced the attempt's writes first;
 - a write touches only pages its attempt reserved;
 - no page is reserved by a second attempt while the first still holds it.
+
+Where bytes land decides whose record counts as the write:
+
+- shm and local: the writer copies into decode's pool itself, under its claim of the attempt's
+  slot, and records `write_begin` once its claim held and `write_end` before letting it go. A
+  write is settled by its `write_end` (or a later `fenced`, `dropped`, or its sender thread's
+  `sender_stopped`).
+- tcp: bytes land only through decode's receiver, which records `land_begin` when a granted
+  frame starts landing and `land_end` when its read ended (landed, or cut). A landing is
+  settled by its `land_end`. Prefill's own tcp `write_begin` only says bytes were handed to a
+  socket; what decode's receiver refused never landed, so those are checked against the
+  reservation only.
 
 Prints a JSON summary; exits 1 if any rule is broken.
 """
@@ -40,18 +48,19 @@ def load(folder):
 
 def check(events):
     key = lambda e: (e["decode"], e["inc"], e["attempt"])
-    opened, ends, writes, settles = {}, defaultdict(list), defaultdict(list), defaultdict(list)
-    fenced = defaultdict(list)
+    opened, ends = {}, defaultdict(list)
+    # Per attempt: the writes that can touch its pages (shm/local write_begin, tcp land_begin),
+    # and what settles them.
+    writes, settles, fenced = defaultdict(list), defaultdict(list), defaultdict(list)
     stopped = {}
-    # (decode, inc, receiver address) -> when decode stopped that TCP receiver
-    receiver_stops = {}
-
-    def dead_receiver(w, at):
-        # A TCP write's receiver was stopped at or before `at`.
-        stop = receiver_stops.get((w["decode"], w["inc"], w.get("via")))
-        return w.get("backend") == "tcp" and stop is not None and stop <= at
+    receiver_stops = 0
     violations = []
     held = defaultdict(dict)  # (decode, inc) -> page -> attempt key
+
+    def within_reservation(e, k):
+        if k in opened and not set(e["pages"]) <= set(opened[k]["pages"]):
+            violations.append(f"attempt {k} wrote pages outside its reservation: {e['pages']}")
+
     for e in events:
         ev = e["event"]
         if ev == "open":
@@ -75,23 +84,28 @@ def check(events):
             for p in opened.get(k, {}).get("pages", []):
                 if held[pool].get(p) == k:
                     del held[pool][p]
-        elif ev == "write_begin":
+        elif ev == "write_begin" and e.get("backend") == "tcp":
+            within_reservation(e, key(e))  # lands, if at all, through decode's receiver
+        elif ev in ("write_begin", "land_begin"):
             k = key(e)
-            if dead_receiver(e, e["t"]):
-                continue  # into a closed connection: nothing of it can land
             writes[k].append(e)
             if ends[k]:
                 violations.append(f"attempt {k} wrote pages {e['pages']} after its release")
-            if k in opened and not set(e["pages"]) <= set(opened[k]["pages"]):
-                violations.append(f"attempt {k} wrote pages outside its reservation: {e['pages']}")
-        elif ev in ("write_end", "fenced", "dropped"):
+            within_reservation(e, k)
+        elif ev in ("write_end", "fenced", "dropped", "land_end"):
             settles[key(e)].append(e)
             if ev == "fenced":
                 fenced[key(e)].append(e)
         elif ev == "sender_stopped":
             stopped[e["sender"]] = e["t"]
         elif ev == "receiver_stopped":
-            receiver_stops[(e["decode"], e["inc"], e.get("via"))] = e["t"]
+            receiver_stops += 1  # its threads were joined: each landing already ended
+
+    def settled_by(w, s):
+        if w["event"] == "land_begin":
+            return s["event"] == "land_end" and s.get("offset") == w.get("offset")
+        return s["event"] != "land_end"
+
     # Every write settled before the release that followed it.
     for k, ws in writes.items():
         if not ends[k]:
@@ -101,12 +115,8 @@ def check(events):
             if w["t"] > end:
                 continue
             settled = any(
-                w["t"] <= s["t"] <= end
-                and (s["event"] != "write_end" or w.get("backend") == "shm")
-                for s in settles[k]
-            ) or (w["sender"] in stopped and w["t"] <= stopped[w["sender"]] <= end) or (
-                dead_receiver(w, end)  # every thread that could land it was joined
-            )
+                w["t"] <= s["t"] <= end and settled_by(w, s) for s in settles[k]
+            ) or (w.get("sender") in stopped and w["t"] <= stopped[w["sender"]] <= end)
             if not settled:
                 violations.append(f"attempt {k}: a write was not settled before its release")
     return {
@@ -115,7 +125,7 @@ def check(events):
         "published": sum(1 for k in ends if ends[k] and ends[k][0]["event"] == "publish"),
         "closed": sum(1 for k in ends if ends[k] and ends[k][0]["event"] == "close"),
         "writes": sum(len(w) for w in writes.values()),
-        "receiver_stops": len(receiver_stops),
+        "receiver_stops": receiver_stops,
         "violations": violations,
     }
 

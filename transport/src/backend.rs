@@ -1,17 +1,18 @@
 //! The [`KvTransport`] trait and its three backends.
 //!
 //! A decode worker *registers* its pool: it advertises an [`Endpoint`] in its layout hello
-//! (a shared-memory name, a TCP address and secret, or an in-process key). A prefill worker
-//! *connects* to that endpoint ([`connect`]) and *writes runs* of pages from its pool into the
-//! decode pool's pages, then *fences*: once `fence` returns, every earlier write has landed.
-//! Dropping the transport is the *teardown*. Which pages a write may read or touch is the
-//! ledger's business; a transport moves bytes.
+//! (a shared-memory name and its claim table, a TCP address and secret, or an in-process key).
+//! A prefill worker *connects* to that endpoint ([`connect`]) and *writes runs* of pages from
+//! its pool into the decode pool's pages, then *fences*: once `fence` returns, every earlier
+//! write has landed. Dropping the transport is the *teardown*. Which pages a write may read or
+//! touch is the ledger's business; every write carries the attempt's [`WriteGrant`], which
+//! decode can revoke (see [`crate::grants`]): a transport moves bytes only under a live grant.
 //!
-//! | backend | where        | how a page moves                                             |
-//! |---------|--------------|--------------------------------------------------------------|
-//! | `local` | same process | one memcpy from pool to pool                                 |
-//! | `shm`   | same host    | one memcpy into the decode pool, mapped from `/dev/shm`      |
-//! | `tcp`   | any host     | one framed run per write, read by decode straight into pages |
+//! | backend | where        | how a page moves                                   | grant checked |
+//! |---------|--------------|----------------------------------------------------|---------------|
+//! | `local` | same process | one memcpy from pool to pool                       | claim slot    |
+//! | `shm`   | same host    | one memcpy into the decode pool (`/dev/shm`)       | claim slot    |
+//! | `tcp`   | any host     | one framed run per write, read straight into pages | every frame   |
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -20,6 +21,7 @@ use std::sync::{LazyLock, Mutex};
 use duet_gpu::{KvLayout, PageId, PoolMemory};
 use serde::{Deserialize, Serialize};
 
+use crate::claims::{ClaimError, ClaimTable, WriteGrant};
 use crate::ledger::AttemptKey;
 use crate::shm::{ShmError, ShmRegion};
 use crate::tcp::{TcpError, TcpSender};
@@ -56,6 +58,9 @@ pub struct Endpoint {
     pub local: Option<u64>,
     /// The shared-memory region holding the pool.
     pub shm: Option<String>,
+    /// The claim table a writer that maps the pool (`shm`, `local`) claims each run in.
+    #[serde(default)]
+    pub claims: Option<String>,
     /// The TCP receiver and the secret a connection must open with.
     pub tcp: Option<(SocketAddr, u64)>,
 }
@@ -66,6 +71,9 @@ pub enum TransportError {
     /// Shared memory.
     #[error(transparent)]
     Shm(#[from] ShmError),
+    /// A write claim (refused once decode revoked the grant: nothing was written).
+    #[error(transparent)]
+    Claim(#[from] ClaimError),
     /// TCP.
     #[error(transparent)]
     Tcp(#[from] TcpError),
@@ -143,56 +151,74 @@ pub fn coalesce(pairs: impl IntoIterator<Item = (PageId, PageId)>) -> Vec<PageRu
     runs
 }
 
+/// Where a write stands, told to the caller's watcher while the write runs: the transfer
+/// history records when bytes may start landing and when they all have, and fault hooks pause
+/// a writer mid-copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteStage {
+    /// The grant was checked and holds until [`Copied`](WriteStage::Copied) (a claim is held,
+    /// or the first frame is about to go): bytes may land from here on.
+    Started,
+    /// About half of the first copy is out (for TCP: a frame half sent).
+    Midway,
+    /// Every byte is copied (`shm`, `local`) or handed to the socket (`tcp`); a claim is still
+    /// held.
+    Copied,
+}
+
+/// A watcher that ignores every stage.
+pub fn unwatched(_: WriteStage) {}
+
 /// Moves runs of pages from a local pool into a remote one.
 pub trait KvTransport: Send {
     /// The backend.
     fn backend(&self) -> Backend;
 
-    /// Copies byte ranges of `attempt` from `src` into the destination pool; returns the bytes
-    /// written. The caller holds source pins on the pages the ranges lie in, and the
-    /// destination pages are granted to `attempt`.
+    /// Copies byte ranges from `src` into the destination pool under `grant`; returns the
+    /// bytes written. The caller holds source pins on the pages the ranges lie in. Refused,
+    /// with nothing written, once decode revoked the grant (`shm`, `local`: before the first
+    /// byte; `tcp`: decode closes the connection at the first refused frame).
     fn write_bytes(
         &mut self,
-        attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         copies: &[ByteCopy],
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError>;
 
-    /// Writes whole pages: `runs` of `attempt` from `src` (one copy per run).
+    /// Writes whole pages: `runs` from `src` (one copy per run).
     fn write(
         &mut self,
-        attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         layout: &KvLayout,
         runs: &[PageRun],
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError> {
-        self.write_bytes(attempt, src, &run_copies(layout, runs))
+        self.write_bytes(grant, src, &run_copies(layout, runs), watch)
     }
 
     /// Writes one layer (K and V) of every page of `runs` (one copy per page): the last
     /// chunk's KV goes layer by layer while the later layers compute.
     fn write_layer(
         &mut self,
-        attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         layout: &KvLayout,
         runs: &[PageRun],
         layer: usize,
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError> {
-        self.write_bytes(attempt, src, &layer_copies(layout, runs, layer))
+        self.write_bytes(grant, src, &layer_copies(layout, runs, layer), watch)
     }
 
     /// Returns once every earlier write has landed in the destination.
     fn fence(&mut self, attempt: AttemptKey) -> Result<(), TransportError>;
 
-    /// Writes `bytes` at `dst` of the destination: fault injection only (a corrupted run, to
-    /// prove decode's checksum catches it).
-    fn inject(
-        &mut self,
-        attempt: AttemptKey,
-        dst: usize,
-        bytes: &[u8],
-    ) -> Result<(), TransportError>;
+    /// Writes `bytes` at `dst` of the destination under `grant`: fault injection only (a
+    /// corrupted run, to prove decode's checksum catches it).
+    fn inject(&mut self, grant: WriteGrant, dst: usize, bytes: &[u8])
+    -> Result<(), TransportError>;
 }
 
 /// CRC-32 of whole pages of a pool, in the order given (what prefill sends and decode checks
@@ -222,11 +248,12 @@ pub fn connect(
     Ok(match backend {
         Backend::Local => {
             let key = endpoint.local.ok_or(TransportError::Unavailable("local"))?;
+            let claims = claim_table(endpoint, "local")?;
             let dst = local_pools()
                 .get(&key)
                 .cloned()
                 .ok_or(TransportError::NoLocalPool(key))?;
-            Box::new(LocalTransport { dst })
+            Box::new(LocalTransport { dst, claims })
         }
         Backend::Shm => {
             let name = endpoint
@@ -234,6 +261,7 @@ pub fn connect(
                 .as_deref()
                 .ok_or(TransportError::Unavailable("shm"))?;
             Box::new(ShmTransport {
+                claims: claim_table(endpoint, "shm")?,
                 dst: ShmRegion::open(name)?,
             })
         }
@@ -244,6 +272,42 @@ pub fn connect(
             })
         }
     })
+}
+
+/// The claim table of an endpoint, for a backend that maps the pool (it writes only under a
+/// claim decode can revoke, so an endpoint without one is not writable that way).
+fn claim_table(endpoint: &Endpoint, backend: &'static str) -> Result<ClaimTable, TransportError> {
+    let name = endpoint
+        .claims
+        .as_deref()
+        .ok_or(TransportError::Unavailable(backend))?;
+    Ok(ClaimTable::open(name)?)
+}
+
+/// Copies `copies` from `src` with `put(dst offset, bytes)`, telling `watch` each stage
+/// (the first copy goes in two halves, with [`WriteStage::Midway`] between them).
+fn copy_watched(
+    src: &PoolMemory,
+    copies: &[ByteCopy],
+    watch: &mut dyn FnMut(WriteStage),
+    mut put: impl FnMut(usize, &[u8]) -> Result<(), TransportError>,
+) -> Result<u64, TransportError> {
+    watch(WriteStage::Started);
+    let mut bytes = 0;
+    for (i, c) in copies.iter().enumerate() {
+        // SAFETY: source pins (the trait's contract).
+        #[allow(unsafe_code)]
+        let from = unsafe { source(src, c)? };
+        let half = if i == 0 { from.len() / 2 } else { 0 };
+        if i == 0 {
+            put(c.dst, &from[..half])?;
+            watch(WriteStage::Midway);
+        }
+        put(c.dst + half, &from[half..])?;
+        bytes += c.len as u64;
+    }
+    watch(WriteStage::Copied);
+    Ok(bytes)
 }
 
 /// The source bytes of a copy.
@@ -258,9 +322,21 @@ unsafe fn source<'a>(src: &'a PoolMemory, c: &ByteCopy) -> Result<&'a [u8], Tran
     Ok(unsafe { src.slice(c.src, c.len)? })
 }
 
-/// Same process: pool to pool.
+/// Same process: pool to pool, each run under a claim of the attempt's slot.
 struct LocalTransport {
     dst: PoolMemory,
+    claims: ClaimTable,
+}
+
+impl LocalTransport {
+    #[allow(unsafe_code)]
+    fn put(&self, dst: usize, bytes: &[u8]) -> Result<(), TransportError> {
+        // SAFETY: the destination range lies in pages granted to the attempt whose claim the
+        // caller holds; decode reads them only after it revoked the grant (proven: no claim
+        // held), and reuses them only after that too.
+        unsafe { self.dst.slice_mut(dst, bytes.len())? }.copy_from_slice(bytes);
+        Ok(())
+    }
 }
 
 impl KvTransport for LocalTransport {
@@ -268,39 +344,37 @@ impl KvTransport for LocalTransport {
         Backend::Local
     }
 
-    #[allow(unsafe_code)]
     fn write_bytes(
         &mut self,
-        _attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         copies: &[ByteCopy],
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError> {
-        let mut bytes = 0;
-        for c in copies {
-            // SAFETY: source pins (the trait's contract); the destination pages are granted to
-            // this attempt, which decode does not read before publication.
-            let (from, to) = unsafe { (source(src, c)?, self.dst.slice_mut(c.dst, c.len)?) };
-            to.copy_from_slice(from);
-            bytes += c.len as u64;
-        }
-        Ok(bytes)
+        let _claim = self.claims.claim(grant)?;
+        copy_watched(src, copies, watch, |dst, bytes| self.put(dst, bytes))
     }
 
     fn fence(&mut self, _attempt: AttemptKey) -> Result<(), TransportError> {
         Ok(()) // copies are synchronous
     }
 
-    #[allow(unsafe_code)]
-    fn inject(&mut self, _: AttemptKey, dst: usize, bytes: &[u8]) -> Result<(), TransportError> {
-        // SAFETY: fault injection into a granted destination range, like a write.
-        unsafe { self.dst.slice_mut(dst, bytes.len())? }.copy_from_slice(bytes);
-        Ok(())
+    fn inject(
+        &mut self,
+        grant: WriteGrant,
+        dst: usize,
+        bytes: &[u8],
+    ) -> Result<(), TransportError> {
+        let _claim = self.claims.claim(grant)?;
+        self.put(dst, bytes)
     }
 }
 
-/// Same host: into the decode pool's shared-memory region.
+/// Same host: into the decode pool's shared-memory region, each run under a claim of the
+/// attempt's slot.
 struct ShmTransport {
     dst: ShmRegion,
+    claims: ClaimTable,
 }
 
 impl KvTransport for ShmTransport {
@@ -308,21 +382,16 @@ impl KvTransport for ShmTransport {
         Backend::Shm
     }
 
-    #[allow(unsafe_code)]
     fn write_bytes(
         &mut self,
-        _attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         copies: &[ByteCopy],
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError> {
-        let mut bytes = 0;
-        for c in copies {
-            // SAFETY: source pins (the trait's contract).
-            let from = unsafe { source(src, c)? };
-            self.dst.write(c.dst, from)?;
-            bytes += c.len as u64;
-        }
-        Ok(bytes)
+        let _claim = self.claims.claim(grant)?;
+        let dst = &mut self.dst;
+        copy_watched(src, copies, watch, |at, bytes| Ok(dst.write(at, bytes)?))
     }
 
     fn fence(&mut self, _attempt: AttemptKey) -> Result<(), TransportError> {
@@ -332,7 +401,13 @@ impl KvTransport for ShmTransport {
         Ok(())
     }
 
-    fn inject(&mut self, _: AttemptKey, dst: usize, bytes: &[u8]) -> Result<(), TransportError> {
+    fn inject(
+        &mut self,
+        grant: WriteGrant,
+        dst: usize,
+        bytes: &[u8],
+    ) -> Result<(), TransportError> {
+        let _claim = self.claims.claim(grant)?;
         Ok(self.dst.write(dst, bytes)?)
     }
 }
@@ -350,17 +425,26 @@ impl KvTransport for TcpTransport {
     #[allow(unsafe_code)]
     fn write_bytes(
         &mut self,
-        attempt: AttemptKey,
+        grant: WriteGrant,
         src: &PoolMemory,
         copies: &[ByteCopy],
+        watch: &mut dyn FnMut(WriteStage),
     ) -> Result<u64, TransportError> {
+        watch(WriteStage::Started);
         let mut bytes = 0;
-        for c in copies {
+        for (i, c) in copies.iter().enumerate() {
             // SAFETY: source pins (the trait's contract).
             let from = unsafe { source(src, c)? };
-            self.sender.write(attempt, c.dst as u64, from)?;
+            if i == 0 {
+                let midway = &mut || watch(WriteStage::Midway);
+                self.sender
+                    .write_watched(grant.attempt, c.dst as u64, from, midway)?;
+            } else {
+                self.sender.write(grant.attempt, c.dst as u64, from)?;
+            }
             bytes += c.len as u64;
         }
+        watch(WriteStage::Copied);
         Ok(bytes)
     }
 
@@ -370,11 +454,11 @@ impl KvTransport for TcpTransport {
 
     fn inject(
         &mut self,
-        attempt: AttemptKey,
+        grant: WriteGrant,
         dst: usize,
         bytes: &[u8],
     ) -> Result<(), TransportError> {
-        Ok(self.sender.write(attempt, dst as u64, bytes)?)
+        Ok(self.sender.write(grant.attempt, dst as u64, bytes)?)
     }
 }
 
@@ -430,7 +514,9 @@ pub(crate) mod tests {
     use duet_gpu::{KvDtype, KvPool};
 
     use super::*;
-    use crate::receiver::{Grants, TcpReceiver};
+    use crate::claims::{ClaimError, Revocation};
+    use crate::grants::Grants;
+    use crate::receiver::TcpReceiver;
 
     /// A small layout for transport tests.
     pub(crate) fn layout() -> KvLayout {
@@ -498,14 +584,39 @@ pub(crate) mod tests {
         src
     }
 
-    fn check_backend(backend: Backend, dst: &KvPool, endpoint: &Endpoint) {
+    /// Decode's grants with a claim table named after `tag`, and the table's name.
+    fn claimed(tag: &str) -> (Grants, String) {
+        let name = format!("backend-claims-{tag}-{}", std::process::id());
+        let grants = Grants::with_claims(ClaimTable::create(&name, 8).unwrap());
+        (grants, name)
+    }
+
+    fn endpoint(local: Option<u64>, shm: Option<String>, claims: Option<String>) -> Endpoint {
+        Endpoint {
+            host: host_id(),
+            local,
+            shm,
+            claims,
+            tcp: None,
+        }
+    }
+
+    fn check_backend(backend: Backend, dst: &KvPool, endpoint: &Endpoint, grant: WriteGrant) {
         let l = layout();
         let src = filled(l);
         let mut t = connect(endpoint, backend).unwrap();
         let runs = coalesce([(2, 5), (3, 6), (7, 0)]);
-        let n = t.write(9, &src.memory(), &l, &runs).unwrap();
-        t.fence(9).unwrap();
+        let mut stages = Vec::new();
+        let n = t
+            .write(grant, &src.memory(), &l, &runs, &mut |s| stages.push(s))
+            .unwrap();
+        t.fence(grant.attempt).unwrap();
         assert_eq!(n as usize, 3 * l.page_bytes());
+        assert_eq!(
+            stages,
+            [WriteStage::Started, WriteStage::Midway, WriteStage::Copied],
+            "{backend:?}"
+        );
         for (s, d) in [(2, 5), (3, 6), (7, 0)] {
             let want = src.copy_bytes(l.run_bytes(s, 1)).unwrap();
             assert_eq!(
@@ -528,17 +639,19 @@ pub(crate) mod tests {
         let src = filled(l);
         let dst = KvPool::new(l, 8).unwrap();
         let reg = LocalRegistration::new(dst.memory());
-        let endpoint = Endpoint {
-            host: host_id(),
-            local: Some(reg.key()),
-            shm: None,
-            tcp: None,
-        };
-        let mut t = connect(&endpoint, Backend::Local).unwrap();
+        let (grants, claims) = claimed("layers");
+        let grant = grants.grant(1, &l, &[5, 6]);
+        let mut t = connect(
+            &endpoint(Some(reg.key()), None, Some(claims)),
+            Backend::Local,
+        )
+        .unwrap();
         let runs = coalesce([(2, 5), (3, 6)]);
         let mut bytes = 0;
         for layer in 0..l.n_layers {
-            bytes += t.write_layer(1, &src.memory(), &l, &runs, layer).unwrap();
+            bytes += t
+                .write_layer(grant, &src.memory(), &l, &runs, layer, &mut unwatched)
+                .unwrap();
         }
         assert_eq!(bytes as usize, 2 * l.page_bytes());
         for (s, d) in [(2, 5), (3, 6)] {
@@ -555,20 +668,24 @@ pub(crate) mod tests {
         // local
         let dst = KvPool::new(l, 8).unwrap();
         let reg = LocalRegistration::new(dst.memory());
-        let endpoint = Endpoint {
-            host: host_id(),
-            local: Some(reg.key()),
-            shm: None,
-            tcp: None,
-        };
-        check_backend(Backend::Local, &dst, &endpoint);
+        let (grants, claims) = claimed("every-local");
+        let grant = grants.grant(9, &l, &[5, 6, 0]);
+        let local = endpoint(Some(reg.key()), None, Some(claims));
+        check_backend(Backend::Local, &dst, &local, grant);
         assert!(matches!(
-            connect(&endpoint, Backend::Shm),
+            connect(&local, Backend::Shm),
             Err(TransportError::Unavailable("shm"))
         ));
+        assert!(
+            matches!(
+                connect(&endpoint(Some(reg.key()), None, None), Backend::Local),
+                Err(TransportError::Unavailable("local"))
+            ),
+            "no claim table, no local writes"
+        );
         drop(reg);
         assert!(matches!(
-            connect(&endpoint, Backend::Local),
+            connect(&local, Backend::Local),
             Err(TransportError::NoLocalPool(_))
         ));
 
@@ -576,29 +693,34 @@ pub(crate) mod tests {
         let name = format!("backend-test-{}", std::process::id());
         let region = ShmRegion::create(&name, l.page_bytes() * 8).unwrap();
         let dst = KvPool::with_memory(l, 8, Arc::new(region)).unwrap();
-        let endpoint = Endpoint {
-            host: host_id(),
-            local: None,
-            shm: Some(name),
-            tcp: None,
-        };
-        check_backend(Backend::Shm, &dst, &endpoint);
+        let (grants, claims) = claimed("every-shm");
+        let grant = grants.grant(9, &l, &[5, 6, 0]);
+        check_backend(
+            Backend::Shm,
+            &dst,
+            &endpoint(None, Some(name), Some(claims)),
+            grant,
+        );
 
         // tcp, with grants
         let (_, dst, _grants, rx) = receiving(9, &[5, 6, 0]);
         let endpoint = Endpoint {
-            host: host_id(),
-            local: None,
-            shm: None,
             tcp: Some(rx.endpoint()),
+            ..endpoint(None, None, None)
         };
-        check_backend(Backend::Tcp, &dst, &endpoint);
+        check_backend(Backend::Tcp, &dst, &endpoint, WriteGrant::unslotted(9));
 
         // A write outside the grant closes the connection and lands nothing.
         let src = filled(l);
         let mut t = connect(&endpoint, Backend::Tcp).unwrap();
         let runs = coalesce([(2, 3)]);
-        let _ = t.write(9, &src.memory(), &l, &runs);
+        let _ = t.write(
+            WriteGrant::unslotted(9),
+            &src.memory(),
+            &l,
+            &runs,
+            &mut unwatched,
+        );
         assert!(t.fence(9).is_err(), "the receiver hangs up");
         assert!(
             dst.copy_bytes(l.run_bytes(3, 1))
@@ -606,5 +728,56 @@ pub(crate) mod tests {
                 .iter()
                 .all(|b| *b == 0)
         );
+    }
+
+    #[test]
+    fn a_writer_stopped_mid_copy_keeps_its_pages_quarantined_and_then_writes_nothing_more() {
+        // Decode's side and a shm writer, the writer stopped halfway through a run (as a
+        // SIGSTOP would stop it): decode cannot prove the drain however often it asks; once
+        // the run ends the revoke is proven, and the writer's next run lands nothing.
+        let l = layout();
+        let name = format!("backend-pause-{}", std::process::id());
+        let region = ShmRegion::create(&name, l.page_bytes() * 8).unwrap();
+        let dst = KvPool::with_memory(l, 8, Arc::new(region)).unwrap();
+        let (grants, claims) = claimed("pause");
+        let grant = grants.grant(3, &l, &[4, 5]);
+        let src = filled(l);
+        let mut t = connect(&endpoint(None, Some(name), Some(claims)), Backend::Shm).unwrap();
+        let runs = coalesce([(2, 4), (3, 5)]);
+        let mut asked = 0;
+        t.write(grant, &src.memory(), &l, &runs, &mut |stage| {
+            if stage == WriteStage::Midway {
+                for _ in 0..5 {
+                    assert_eq!(grants.revoke(3), Revocation::Busy, "proven mid-copy");
+                    asked += 1;
+                }
+            }
+        })
+        .unwrap();
+        assert_eq!(asked, 5);
+        assert_eq!(grants.revoke(3), Revocation::Proven);
+        // Decode reuses the pages: zero them as a new request's KV would overwrite them.
+        let zero = vec![0u8; 2 * l.page_bytes()];
+        let memory = dst.memory();
+        // SAFETY (test): the revoke is proven, so nothing else writes these pages.
+        #[allow(unsafe_code)]
+        unsafe { memory.slice_mut(l.run_bytes(4, 2).start, zero.len()) }
+            .unwrap()
+            .copy_from_slice(&zero);
+        let mut started = false;
+        let late = t.write(grant, &src.memory(), &l, &runs, &mut |_| started = true);
+        assert!(matches!(
+            late,
+            Err(TransportError::Claim(ClaimError::Revoked { attempt: 3 }))
+        ));
+        assert!(!started, "a refused write never starts");
+        assert!(
+            dst.copy_bytes(l.run_bytes(4, 2))
+                .unwrap()
+                .iter()
+                .all(|b| *b == 0),
+            "a stale write landed in reused pages"
+        );
+        assert!(t.inject(grant, l.run_bytes(4, 1).start, &[1]).is_err());
     }
 }

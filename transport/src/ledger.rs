@@ -214,6 +214,11 @@ impl TransferLedger {
         self.attempts.get(&key).map(|a| a.state)
     }
 
+    /// How many pages an attempt holds (0 for an unknown one).
+    pub fn pages(&self, key: AttemptKey) -> usize {
+        self.attempts.get(&key).map_or(0, |a| a.pages.len())
+    }
+
     /// The newest attempt of a room.
     pub fn current(&self, room: Room) -> Option<AttemptKey> {
         self.rooms.get(&room).copied()

@@ -6,23 +6,31 @@
 //!
 //! - [`backend`]: the [`KvTransport`] trait (connect to a decode pool's endpoint, write runs
 //!   of pages, fence) and its backends `local`, `shm` and `tcp`.
+//! - [`grants`]: decode's grants (which attempt may write which bytes) and the revoke that
+//!   proves no write of an attempt can land any more; [`claims`]: the claim table through
+//!   which decode fences writers that map its pool (a paused writer can never land a stale
+//!   write).
 //! - [`receiver`]: decode's TCP receiver (stoppable: once stopped, nothing it accepted can
-//!   land) and the grants it checks every frame against.
+//!   land), checking every frame against the grants.
 //! - [`shm`]: shared-memory regions (same host: the decode pool mapped by prefill).
 //! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
 
 pub mod backend;
 pub mod bench;
+pub mod claims;
+pub mod grants;
 pub mod ledger;
 pub mod receiver;
 pub mod shm;
 pub mod tcp;
 
 pub use backend::{
-    Backend, ByteCopy, Endpoint, KvTransport, LocalRegistration, PageRun, TransportError, coalesce,
-    connect, host_id, layer_copies, pages_crc, run_copies,
+    Backend, ByteCopy, Endpoint, KvTransport, LocalRegistration, PageRun, TransportError,
+    WriteStage, coalesce, connect, host_id, layer_copies, pages_crc, run_copies, unwatched,
 };
+pub use claims::{ClaimError, ClaimTable, Revocation, WriteGrant};
+pub use grants::Grants;
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,
 };
-pub use receiver::{Grants, TcpReceiver};
+pub use receiver::{FrameEvent, FrameObserver, TcpReceiver};

@@ -1,5 +1,5 @@
-//! Decode's end of the TCP backend: the [`Grants`] every frame is checked against, and the
-//! [`TcpReceiver`] that accepts prefill connections and lands their frames in the pool.
+//! Decode's end of the TCP backend: the [`TcpReceiver`] that accepts prefill connections and
+//! lands their frames in the pool, each checked against the [`Grants`] first.
 //!
 //! A receiver can be *stopped*: the listener closes, every connection is shut down and its
 //! thread joined. Once [`TcpReceiver::stop`] returns, no frame that receiver accepted can land
@@ -8,17 +8,16 @@
 //! remember which attempts landed bytes by TCP ([`Grants::tcp_attempts`]) so decode knows
 //! which attempts a stopped receiver carried (an attempt uses one backend for all its writes).
 
-use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use duet_gpu::{KvLayout, PageId, PoolMemory};
+use duet_gpu::PoolMemory;
 
-use crate::backend::{TransportError, coalesce, rand_key};
+use crate::backend::{TransportError, rand_key};
+use crate::grants::Grants;
 use crate::ledger::AttemptKey;
 use crate::tcp::{self, Sink, TcpError};
 
@@ -26,154 +25,41 @@ use crate::tcp::{self, Sink, TcpError};
 /// depends on waking a blocked `accept` (a wake-up connection can fail).
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// How long revoking waits for a frame of the attempt that is being read into the pool before
-/// it shuts that frame's connection down (on loopback a frame lands in milliseconds; one that
-/// takes longer has a stalled sender, and the read must end before the pages are reused).
-const LANDING_GRACE: Duration = Duration::from_millis(200);
-
-/// What an attempt may write, and whether any of it came by TCP.
-#[derive(Debug)]
-struct Grant {
-    ranges: Vec<Range<usize>>,
-    by_tcp: bool,
-}
-
-#[derive(Debug, Default)]
-struct GrantTable {
-    grants: HashMap<AttemptKey, Grant>,
-    /// Frames being read into the pool now, by attempt: the connection each comes on.
-    landing: HashMap<AttemptKey, Vec<Arc<TcpStream>>>,
-}
-
-/// The byte ranges of a decode pool that each active attempt may write, shared between the
-/// decode worker (which grants when it opens an attempt and revokes once the attempt
-/// completes or drains) and its TCP receiver (which checks every frame before reading it).
-///
-/// Revoking is the receiving side's fence: it returns only once no frame of the attempt is
-/// being read into the pool, so a TCP write prefill gave up on (its connection dropped with
-/// bytes still in flight) can never land in pages decode gives back afterwards. Decode revokes
-/// before it releases an attempt's pages.
-#[derive(Debug, Clone, Default)]
-pub struct Grants(Arc<(Mutex<GrantTable>, Condvar)>);
-
-impl Grants {
-    fn lock(&self) -> MutexGuard<'_, GrantTable> {
-        self.0.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Lets `attempt` write `pages` of a pool of `layout`.
-    pub fn grant(&self, attempt: AttemptKey, layout: &KvLayout, pages: &[PageId]) {
-        let ranges = coalesce(pages.iter().map(|&p| (p, p)))
-            .iter()
-            .map(|r| layout.run_bytes(r.dst, r.n as usize))
-            .collect();
-        self.lock().grants.insert(
-            attempt,
-            Grant {
-                ranges,
-                by_tcp: false,
-            },
-        );
-    }
-
-    /// Takes the grant back: later frames of `attempt` are refused, and this waits until no
-    /// frame of it is being read (shutting down the connection of one that stalls past
-    /// [`LANDING_GRACE`]). Blocking, briefly.
-    pub fn revoke(&self, attempt: AttemptKey) {
-        let mut table = self.lock();
-        table.grants.remove(&attempt);
-        let since = Instant::now();
-        let mut cut = false;
-        while let Some(conns) = table.landing.get(&attempt) {
-            if !cut && since.elapsed() >= LANDING_GRACE {
-                tracing::warn!(
-                    attempt,
-                    "a frame of a revoked attempt stalled mid-read: its connection is closed"
-                );
-                for c in conns {
-                    let _ = c.shutdown(std::net::Shutdown::Both);
-                }
-                cut = true;
-            }
-            table = match self.0.1.wait_timeout(table, Duration::from_millis(20)) {
-                Ok((t, _)) => t,
-                Err(p) => p.into_inner().0,
-            };
-        }
-    }
-
-    /// Whether `attempt` may write `len` bytes at `offset`.
-    pub fn allows(&self, attempt: AttemptKey, offset: u64, len: u32) -> bool {
-        Self::covers(&self.lock(), attempt, offset, len)
-    }
-
-    /// The granted attempts that have landed bytes by TCP.
-    pub fn tcp_attempts(&self) -> Vec<AttemptKey> {
-        let mut keys: Vec<AttemptKey> = self
-            .lock()
-            .grants
-            .iter()
-            .filter(|(_, g)| g.by_tcp)
-            .map(|(k, _)| *k)
-            .collect();
-        keys.sort_unstable();
-        keys
-    }
-
-    fn covers(table: &GrantTable, attempt: AttemptKey, offset: u64, len: u32) -> bool {
-        let Ok(start) = usize::try_from(offset) else {
-            return false;
-        };
-        let Some(end) = start.checked_add(len as usize) else {
-            return false;
-        };
-        table
-            .grants
-            .get(&attempt)
-            .is_some_and(|g| g.ranges.iter().any(|r| r.start <= start && end <= r.end))
-    }
-
-    /// A frame on `conn` may be read into the pool: true (and registered as landing until
-    /// [`end_landing`](Self::end_landing)) when the grant covers it.
-    fn begin_landing(
-        &self,
+/// What a receiver tells its owner about each granted frame (metrics, the transfer history).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameEvent {
+    /// A granted frame starts landing: bytes of it may be in the pool from now on.
+    Landing {
+        /// Its attempt.
         attempt: AttemptKey,
+        /// Where in the pool.
         offset: u64,
+        /// Its bytes.
         len: u32,
-        conn: &Arc<TcpStream>,
-    ) -> bool {
-        let mut table = self.lock();
-        if !Self::covers(&table, attempt, offset, len) {
-            return false;
-        }
-        if let Some(g) = table.grants.get_mut(&attempt) {
-            g.by_tcp = true;
-        }
-        table.landing.entry(attempt).or_default().push(conn.clone());
-        true
-    }
-
-    fn end_landing(&self, attempt: AttemptKey, conn: &Arc<TcpStream>) {
-        let mut table = self.lock();
-        if let Some(conns) = table.landing.get_mut(&attempt) {
-            if let Some(i) = conns.iter().position(|c| Arc::ptr_eq(c, conn)) {
-                conns.swap_remove(i);
-            }
-            if conns.is_empty() {
-                table.landing.remove(&attempt);
-            }
-        }
-        drop(table);
-        self.0.1.notify_all();
-    }
+    },
+    /// Its read ended (told before a revoke waiting for it can return): every byte landed
+    /// (`ok`), or the read failed midway and no more of it will.
+    Landed {
+        /// Its attempt.
+        attempt: AttemptKey,
+        /// Where in the pool.
+        offset: u64,
+        /// Its bytes.
+        len: u32,
+        /// Whether all of them landed.
+        ok: bool,
+    },
 }
+
+/// Told every [`FrameEvent`] of a receiver.
+pub type FrameObserver = Arc<dyn Fn(FrameEvent) + Send + Sync>;
 
 /// Lands granted frames of one connection in a pool.
 struct PoolSink {
     memory: PoolMemory,
     grants: Grants,
     conn: Arc<TcpStream>,
-    on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
+    on_frame: FrameObserver,
 }
 
 impl Sink for PoolSink {
@@ -198,7 +84,14 @@ impl Sink for PoolSink {
         // is registered as landing: decode revokes the grant before it reads, reuses or frees
         // those pages, and revoking waits for `landed`. In bounds: checked above.
         match unsafe { self.memory.slice_mut(offset as usize, len as usize) } {
-            Ok(slice) => Ok(slice),
+            Ok(slice) => {
+                (self.on_frame)(FrameEvent::Landing {
+                    attempt,
+                    offset,
+                    len,
+                });
+                Ok(slice)
+            }
             Err(_) => {
                 self.grants.end_landing(attempt, &self.conn);
                 Err(TcpError::OutOfBounds { offset, len, size })
@@ -206,11 +99,14 @@ impl Sink for PoolSink {
         }
     }
 
-    fn landed(&mut self, attempt: u64, _offset: u64, len: u32, ok: bool) {
+    fn landed(&mut self, attempt: u64, offset: u64, len: u32, ok: bool) {
+        (self.on_frame)(FrameEvent::Landed {
+            attempt,
+            offset,
+            len,
+            ok,
+        });
         self.grants.end_landing(attempt, &self.conn);
-        if ok {
-            (self.on_bytes)(u64::from(len));
-        }
     }
 }
 
@@ -252,12 +148,13 @@ fn lock_conns(conns: &Mutex<Conns>) -> MutexGuard<'_, Conns> {
 }
 
 impl TcpReceiver {
-    /// Listens on `bind` (port 0 picks one) for writers into `memory`.
+    /// Listens on `bind` (port 0 picks one) for writers into `memory`, telling `on_frame`
+    /// of every granted frame.
     pub fn start(
         bind: SocketAddr,
         memory: PoolMemory,
         grants: Grants,
-        on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
+        on_frame: FrameObserver,
     ) -> Result<TcpReceiver, TransportError> {
         let listener = TcpListener::bind(bind).map_err(TcpError::from)?;
         let addr = listener.local_addr().map_err(TcpError::from)?;
@@ -286,7 +183,7 @@ impl TcpReceiver {
                         memory: memory.clone(),
                         grants: grants.clone(),
                         conn,
-                        on_bytes: on_bytes.clone(),
+                        on_frame: on_frame.clone(),
                     });
                 }
             })
@@ -390,83 +287,22 @@ impl Drop for TcpReceiver {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io::Write;
-    use std::net::TcpListener;
 
     use duet_gpu::KvPool;
 
     use super::*;
-    use crate::backend::tests::{layout, receiving};
-    use crate::backend::{Backend, Endpoint, connect, host_id};
+    use crate::backend::tests::receiving;
+    use crate::backend::{Backend, Endpoint, connect, host_id, unwatched};
+    use crate::claims::WriteGrant;
 
-    fn deadline_poll(what: &str, mut f: impl FnMut() -> bool) {
+    pub(crate) fn deadline_poll(what: &str, mut f: impl FnMut() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !f() {
             assert!(std::time::Instant::now() < deadline, "timed out: {what}");
             std::thread::sleep(Duration::from_millis(5));
         }
-    }
-
-    fn loopback_pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        (a, l.accept().unwrap().0)
-    }
-
-    fn header(kind: u32, attempt: u64, offset: u64, len: u32) -> Vec<u8> {
-        let mut h = kind.to_le_bytes().to_vec();
-        h.extend(attempt.to_le_bytes());
-        h.extend(offset.to_le_bytes());
-        h.extend(len.to_le_bytes());
-        h
-    }
-
-    #[test]
-    fn revoking_waits_out_a_frame_being_read_and_cuts_one_that_stalls() {
-        let (l, dst, grants, rx) = receiving(7, &[1]);
-        let (addr, secret) = rx.endpoint();
-        let mut s = TcpStream::connect(addr).unwrap();
-        let page = l.run_bytes(1, 1);
-        let half = page.len() / 2;
-        s.write_all(&header(4, secret, 0, 0)).unwrap();
-        s.write_all(&header(1, 7, page.start as u64, page.len() as u32))
-            .unwrap();
-        s.write_all(&vec![0xAB; half]).unwrap();
-        deadline_poll("the frame is being read", || {
-            grants.lock().landing.contains_key(&7)
-        });
-        let start = Instant::now();
-        grants.revoke(7);
-        let took = start.elapsed();
-        assert!(took >= LANDING_GRACE, "revoke returned mid-frame: {took:?}");
-        assert!(took < Duration::from_secs(5), "revoke hung: {took:?}");
-        assert!(grants.lock().landing.is_empty());
-        // The rest of the frame never lands: its connection is gone.
-        let _ = s.write_all(&vec![0xCD; page.len() - half]);
-        let bytes = dst.copy_bytes(page).unwrap();
-        assert!(
-            bytes[half..].iter().all(|b| *b != 0xCD),
-            "a byte landed after revoke"
-        );
-    }
-
-    #[test]
-    fn grants_remember_attempts_that_landed_by_tcp() {
-        let l = layout();
-        let g = Grants::default();
-        g.grant(1, &l, &[2, 3]);
-        g.grant(2, &l, &[5]);
-        let at = l.run_bytes(2, 1).start as u64;
-        assert!(g.allows(1, at, 8));
-        assert!(g.tcp_attempts().is_empty(), "a check alone is no landing");
-        let conn = Arc::new(loopback_pair().0);
-        assert!(g.begin_landing(1, at, 8, &conn));
-        assert!(!g.begin_landing(2, at, 8, &conn), "outside its pages");
-        assert_eq!(g.tcp_attempts(), vec![1]);
-        g.end_landing(1, &conn);
-        g.revoke(1);
-        assert!(g.tcp_attempts().is_empty());
     }
 
     #[test]
@@ -476,21 +312,27 @@ mod tests {
             host: host_id(),
             local: None,
             shm: None,
+            claims: None,
             tcp: Some(rx.endpoint()),
         };
         let mut src = KvPool::new(l, 8).unwrap();
         src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
         let runs = crate::backend::coalesce([(0, 1)]);
+        let grant = WriteGrant::unslotted(7);
         let mut t = connect(&endpoint, Backend::Tcp).unwrap();
-        t.write(7, &src.memory(), &l, &runs).unwrap();
+        t.write(grant, &src.memory(), &l, &runs, &mut unwatched)
+            .unwrap();
         t.fence(7).unwrap();
         assert_eq!(grants.tcp_attempts(), vec![7]);
         deadline_poll("the connection is registered", || rx.connections() == 1);
         let (addr, _) = rx.endpoint();
         rx.stop();
         // Its connection is closed: the next write or fence fails instead of landing.
-        let failed =
-            (0..50).any(|_| t.write(7, &src.memory(), &l, &runs).is_err() || t.fence(7).is_err());
+        let failed = (0..50).any(|_| {
+            t.write(grant, &src.memory(), &l, &runs, &mut unwatched)
+                .is_err()
+                || t.fence(7).is_err()
+        });
         assert!(failed, "a write through a stopped receiver succeeded");
         // And it takes no new connection.
         let refused = match std::net::TcpStream::connect(addr) {

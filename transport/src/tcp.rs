@@ -85,11 +85,30 @@ impl TcpSender {
 
     /// Sends `bytes` to land at `offset` of the destination, for `attempt`.
     pub fn write(&mut self, attempt: u64, offset: u64, bytes: &[u8]) -> Result<(), TcpError> {
+        self.write_watched(attempt, offset, bytes, &mut || {})
+    }
+
+    /// [`write`](Self::write), calling `midway` once half of the first frame's payload is
+    /// sent (fault hooks stop a writer there: the receiver is mid-read).
+    pub fn write_watched(
+        &mut self,
+        attempt: u64,
+        offset: u64,
+        bytes: &[u8],
+        midway: &mut dyn FnMut(),
+    ) -> Result<(), TcpError> {
         for (i, chunk) in bytes.chunks(u32::MAX as usize).enumerate() {
             let at = offset + (i as u64) * u64::from(u32::MAX);
             self.stream
                 .write_all(&Self::header(DATA, attempt, at, chunk.len() as u32))?;
-            self.stream.write_all(chunk)?;
+            if i == 0 {
+                let (first, rest) = chunk.split_at(chunk.len() / 2);
+                self.stream.write_all(first)?;
+                midway();
+                self.stream.write_all(rest)?;
+            } else {
+                self.stream.write_all(chunk)?;
+            }
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use duet_gpu::PoolMemory;
 use duet_runtime::metrics as m;
-use duet_transport::{Grants, TcpReceiver};
+use duet_transport::{FrameEvent, FrameObserver, Grants, TcpReceiver};
 
 use super::Cmd;
 use crate::handoff::HandOff;
@@ -35,6 +35,53 @@ pub(super) struct ReceiverParts {
     /// The worker incarnation (its pool), for the transfer history.
     pub worker: u64,
     pub node: String,
+    /// The pool's bytes per page (the history names the pages a frame lands in).
+    pub page_bytes: usize,
+}
+
+/// Counts landed bytes, and records where each frame lands in the transfer history: decode's
+/// receiver is the only way TCP bytes reach the pool, so its records are what the checker
+/// holds TCP writes to.
+fn observe_frames(p: &ReceiverParts) -> FrameObserver {
+    let (node, worker, page_bytes) = (p.node.clone(), p.worker, p.page_bytes.max(1));
+    Arc::new(move |event| {
+        let (name, attempt, offset, len) = match event {
+            FrameEvent::Landing {
+                attempt,
+                offset,
+                len,
+            } => ("land_begin", attempt, offset, len),
+            FrameEvent::Landed {
+                attempt,
+                offset,
+                len,
+                ok,
+            } => {
+                if ok {
+                    metrics::counter!(m::KV_BYTES_RECEIVED).increment(u64::from(len));
+                }
+                ("land_end", attempt, offset, len)
+            }
+        };
+        if history::enabled() {
+            let first = offset / page_bytes as u64;
+            let last = (offset + u64::from(len).max(1) - 1) / page_bytes as u64;
+            let pages: Vec<u32> = (first..=last).map(|p| p as u32).collect();
+            let pages = if name == "land_begin" {
+                pages
+            } else {
+                Vec::new()
+            };
+            history::record_with(
+                name,
+                &node,
+                worker,
+                attempt,
+                &pages,
+                serde_json::json!({ "offset": offset }),
+            );
+        }
+    })
 }
 
 /// The hand-off between a decode worker and its KV receiver actor.
@@ -126,7 +173,7 @@ impl ReceiverHub {
             p.bind,
             p.memory.clone(),
             p.grants.clone(),
-            Arc::new(|n| metrics::counter!(m::KV_BYTES_RECEIVED).increment(n)),
+            observe_frames(p),
         ) {
             Ok(r) => {
                 let endpoint = r.endpoint();
