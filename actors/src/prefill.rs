@@ -1272,6 +1272,8 @@ impl KvSender {
         if let Err(TransportError::Claim(e @ ClaimError::Revoked { .. })) = &written {
             // Decode took the grant back (it aborted the attempt): nothing was written and
             // the transport is fine for other attempts.
+            metrics::counter!(m::KV_WRITES_REFUSED, "backend" => to.backend.name()).increment(1);
+            tracing::warn!(attempt = to.attempt, node = %to.node, "decode refused a write: it had revoked the grant");
             return Err(format!("decode stopped the transfer: {e}"));
         }
         let mut result = written.map_err(|e| e.to_string());

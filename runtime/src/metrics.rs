@@ -86,6 +86,9 @@ pub const KV_PAGES_QUARANTINED: &str = "duet_kv_pages_quarantined";
 /// Aborted transfers still unproven past the drain backstop (a writer holds its claim: paused
 /// or stuck mid-copy), by the prefill `peer` that holds it. Their pages stay quarantined.
 pub const QUARANTINE_STALLS: &str = "duet_kv_quarantine_stalls_total";
+/// Prefill: runs of pages decode refused to take because it had revoked the attempt's grant
+/// (a writer that woke after decode gave up on it; nothing of those runs was written).
+pub const KV_WRITES_REFUSED: &str = "duet_kv_writes_refused_total";
 /// KV pages in use (referenced or pinned).
 pub const KV_PAGES_USED: &str = "duet_kv_pages_used";
 /// Aborted transfers, by `side` and `reason`.
@@ -152,6 +155,7 @@ pub const ALL: &[&str] = &[
     ROUTER_E2E,
     KV_PAGES_QUARANTINED,
     QUARANTINE_STALLS,
+    KV_WRITES_REFUSED,
     KV_PAGES_USED,
     TRANSFER_ABORTS,
     KV_CHECKSUM_FAILURES,

@@ -361,3 +361,105 @@ pub async fn router_ready(http: u16, workers: usize) {
     })
     .await;
 }
+
+/// A folder for the cluster's transfer history (`DUET_HISTORY_DIR`).
+pub fn history_dir(c: &ClusterDir) -> String {
+    let dir = c.dir.path().join("history");
+    std::fs::create_dir_all(&dir).expect("history folder");
+    dir.display().to_string()
+}
+
+/// Runs the independent checker over a history; returns its report. Fails the test on any
+/// violation, or when nothing was recorded.
+pub async fn check_history(dir: &str) -> Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/check_history.py");
+    let out = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(dir)
+        .output()
+        .await
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    assert!(
+        out.status.success(),
+        "the history checker found violations: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        report["attempts"].as_u64() > Some(0),
+        "no history recorded: {report}"
+    );
+    report
+}
+
+/// One completion through curl: `Ok(text)` on HTTP 200, `Err(status and body)` otherwise.
+pub async fn complete(http: u16, body: Value) -> Result<String, String> {
+    match curl_completion(http, &body).await {
+        (200, v) => Ok(v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()),
+        (code, v) => Err(format!("HTTP {code}: {v}")),
+    }
+}
+
+/// Everything in flight has drained on `nodes`: no queue, no sequence, no pinned or
+/// quarantined page, every page free or held only by a prefix cache.
+pub async fn assert_quiet(c: &ClusterDir, nodes: &[&str]) {
+    const HELD: [&str; 6] = [
+        "duet_kv_pages_pinned",
+        "duet_kv_pages_quarantined",
+        "duet_sequences_running",
+        "duet_sequences_waiting",
+        "duet_bootstrap_queue",
+        "duet_prealloc_queue",
+    ];
+    let token = c.token();
+    for &node in nodes {
+        let addr = c.admin(node);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut held = Vec::new();
+            for name in HELD {
+                let v = metric(addr, &token, name, "").await;
+                if v != 0.0 {
+                    held.push(format!("{name}={v}"));
+                }
+            }
+            let total = metric(addr, &token, "duet_kv_pages_total", "").await;
+            let free = metric(addr, &token, "duet_kv_pages_free", "").await;
+            let cached = metric(addr, &token, "duet_kv_pages_cached", "").await;
+            if total == 0.0 || free + cached != total {
+                held.push(format!("pages total={total} free={free} cached={cached}"));
+            }
+            if held.is_empty() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{node} still holds after 30 s: {held:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// What `duet generate` (the engine alone, in its own process) answers, greedily.
+pub async fn generate_reference(prompt: &str, max_tokens: usize) -> String {
+    let out = duet(&[
+        "generate",
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max_tokens.to_string(),
+        "--ignore-eos",
+        "--threads",
+        "1",
+        "--json",
+    ])
+    .await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let v: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
+    v["text"].as_str().expect("text").to_string()
+}

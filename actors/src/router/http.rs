@@ -432,23 +432,42 @@ impl Generation {
             forced: None,
             prefer_prefill: if migrating { old.prefill.clone() } else { None },
         };
-        let started = self
-            .shared
-            .start(prompt, self.params.clone(), resume, placement)
-            .await;
-        match started {
-            Ok(s) => {
-                if migrating {
-                    metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started").increment(1);
-                } else {
-                    metrics::counter!(m::ROUTER_RETRIES).increment(1);
+        // A start that fails (a worker membership has not yet marked down, a link that just
+        // dropped) spends an attempt and is tried again after a growing pause, as the first
+        // start is: the failure that ended the last attempt is often what the next start
+        // runs into.
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let started = self
+                .shared
+                .start(
+                    prompt.clone(),
+                    self.params.clone(),
+                    resume,
+                    placement.clone(),
+                )
+                .await;
+            match started {
+                Ok(s) => {
+                    if migrating {
+                        metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started")
+                            .increment(1);
+                    } else {
+                        metrics::counter!(m::ROUTER_RETRIES).increment(1);
+                    }
+                    self.tried
+                        .extend(s.prefill.iter().chain([&s.worker]).cloned());
+                    self.current = Some(s);
+                    return Ok(());
                 }
-                self.tried
-                    .extend(s.prefill.iter().chain([&s.worker]).cloned());
-                self.current = Some(s);
-                Ok(())
+                Err(e) if self.attempts_left > 0 => {
+                    self.attempts_left -= 1;
+                    tracing::warn!(error = %e, "could not start another attempt; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(e) => return Err(format!("{error}; another attempt failed: {e}")),
             }
-            Err(e) => Err(format!("{error}; another attempt failed: {e}")),
         }
     }
 
