@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -22,11 +24,21 @@ async fn bad_config_names_the_line_and_key() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn busy_port_fails_the_start_and_names_the_node() {
-    let c = ClusterDir::new(&[("router", "router"), ("p0", "prefill")], "");
-    let port = c.nodes[1].2;
-    // Taken by us, or (rarely) by another test: busy either way, which is the point.
-    let _squatter = std::net::UdpSocket::bind(("127.0.0.1", port)).ok();
-    let out = duet(&["up", "--config", path_str(&c.config)]).await;
+    // p0's port, held by us for the whole test (a port another test took meanwhile is
+    // busy for a while only: pick again until we hold one).
+    let (c, _squatter) = poll("a port to squat", Duration::from_secs(30), || async {
+        let c = ClusterDir::new(&[("router", "router"), ("p0", "prefill")], "");
+        let squatter = std::net::UdpSocket::bind(("127.0.0.1", c.nodes[1].2)).ok()?;
+        Some((c, squatter))
+    })
+    .await;
+    // If p0 started after all, `duet up` would serve forever: bounded.
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        duet(&["up", "--config", path_str(&c.config)]),
+    )
+    .await
+    .expect("`duet up` exits when a node cannot start");
     assert!(!out.status.success());
     assert!(
         out.stderr.contains("error: node p0 failed to start"),

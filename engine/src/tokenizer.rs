@@ -9,10 +9,16 @@
 //! 4. each piece's bytes are mapped to GPT-2's printable byte alphabet and merged by the
 //!    file's merge ranks, lowest rank first, leftmost first.
 //!
+//! Every step is linear or `n log n` in the text, whatever it holds: special tokens are found
+//! in one pass, and merging keeps the candidate pairs in a heap (a 200 KB prompt of one
+//! unbroken word encodes in milliseconds; merging by rescanning every pair after each merge,
+//! as the textbook loop does, took minutes). Prompts come from the network.
+//!
 //! Decoding maps ids back to bytes; [`StreamDecoder`] releases text only at UTF-8 boundaries,
 //! so a streamed reply never splits a character.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 use crate::gguf::{Gguf, GgufError};
 
@@ -50,11 +56,17 @@ pub enum TokenizerError {
 pub struct Tokenizer {
     tokens: Vec<String>,
     ids: HashMap<String, u32>,
-    ranks: HashMap<(String, String), u32>,
+    /// Merge `(left, right)` -> (rank, merged token), over token ids.
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    /// Merges of the file whose parts or result are not in the vocabulary (never applied).
+    unusable_merges: usize,
+    /// Each byte's token (its printable character's), if the vocabulary has it.
+    byte_tokens: [Option<u32>; 256],
+    /// The most bytes one ordinary token stands for.
+    max_token_bytes: usize,
     specials: Vec<(String, u32)>,
     split_digits: bool,
     pattern: fancy_regex::Regex,
-    byte_to_char: [char; 256],
     char_to_byte: HashMap<char, u8>,
     /// Beginning-of-sequence id, if the vocabulary names one.
     pub bos: Option<u32>,
@@ -68,7 +80,8 @@ impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
             .field("vocab", &self.tokens.len())
-            .field("merges", &self.ranks.len())
+            .field("merges", &self.merges.len())
+            .field("unusable_merges", &self.unusable_merges)
             .field("specials", &self.specials.len())
             .finish()
     }
@@ -87,14 +100,27 @@ impl Tokenizer {
             .map(str::to_string)
             .collect();
         let types = g.ints("tokenizer.ggml.token_type").unwrap_or_default();
-        let merges = g.strings("tokenizer.ggml.merges")?;
-        let mut ranks = HashMap::with_capacity(merges.len());
-        for (i, m) in merges.iter().enumerate() {
+        let ids: HashMap<String, u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let merge_lines = g.strings("tokenizer.ggml.merges")?;
+        let mut merges = HashMap::with_capacity(merge_lines.len());
+        let mut unusable_merges = 0;
+        for (i, m) in merge_lines.iter().enumerate() {
             let (a, b) = m.split_once(' ').ok_or_else(|| TokenizerError::BadMerge {
                 index: i,
                 merge: m.to_string(),
             })?;
-            ranks.insert((a.to_string(), b.to_string()), i as u32);
+            // A merge is usable only if both parts and the result are tokens (in every GPT-2
+            // style vocabulary they are). A pair listed twice keeps its last rank.
+            match (ids.get(a), ids.get(b), ids.get(&format!("{a}{b}"))) {
+                (Some(&l), Some(&r), Some(&m)) => {
+                    merges.insert((l, r), (i as u32, m));
+                }
+                _ => unusable_merges += 1,
+            }
         }
         let mut specials: Vec<(String, u32)> = types
             .iter()
@@ -108,19 +134,26 @@ impl Tokenizer {
         let id = |key: &str| g.u64(key).ok().map(|v| v as u32);
         let pre = g.str("tokenizer.ggml.pre").unwrap_or("default");
         let (byte_to_char, char_to_byte) = byte_alphabet();
+        let byte_tokens = std::array::from_fn(|b| ids.get(&byte_to_char[b].to_string()).copied());
+        let max_token_bytes = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !specials.iter().any(|(_, s)| *s as usize == *i))
+            .map(|(_, t)| t.chars().count())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Tokenizer {
-            ids: tokens
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.clone(), i as u32))
-                .collect(),
+            ids,
             tokens,
-            ranks,
+            merges,
+            unusable_merges,
+            byte_tokens,
+            max_token_bytes,
             specials,
             split_digits: pre == "smollm",
             pattern: fancy_regex::Regex::new(GPT2_PATTERN)
                 .map_err(|e| TokenizerError::Pattern(e.to_string()))?,
-            byte_to_char,
             char_to_byte,
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
@@ -141,28 +174,36 @@ impl Tokenizer {
         self.ids.get(text).copied()
     }
 
+    /// The most bytes one ordinary token stands for: a text of `n` bytes encodes to at
+    /// least `n / max_token_bytes` tokens, so a prompt too long for a context can be refused
+    /// before it is encoded.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
     /// Encodes text (special tokens in it are recognised), without adding BOS.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            let next_special = self
-                .specials
-                .iter()
-                .filter_map(|(s, id)| rest.find(s.as_str()).map(|at| (at, s.len(), *id)))
-                .min_by_key(|(at, len, _)| (*at, usize::MAX - len));
-            match next_special {
-                Some((at, len, id)) => {
-                    self.encode_ordinary(&rest[..at], &mut out);
-                    out.push(id);
-                    rest = &rest[at + len..];
+        let mut start = 0;
+        let mut at = 0;
+        let bytes = text.as_bytes();
+        // One pass: at each byte that can begin a special token, the longest special that
+        // starts there (specials are sorted longest first).
+        while at < bytes.len() {
+            let found = self.specials.iter().find(|(s, _)| {
+                s.as_bytes()[0] == bytes[at] && bytes[at..].starts_with(s.as_bytes())
+            });
+            match found {
+                Some((s, id)) => {
+                    self.encode_ordinary(&text[start..at], &mut out);
+                    out.push(*id);
+                    at += s.len();
+                    start = at;
                 }
-                None => {
-                    self.encode_ordinary(rest, &mut out);
-                    break;
-                }
+                None => at += 1,
             }
         }
+        self.encode_ordinary(&text[start..], &mut out);
         out
     }
 
@@ -197,34 +238,61 @@ impl Tokenizer {
         }
     }
 
+    /// Merges one piece, lowest rank first, leftmost first: the candidate pairs wait in a
+    /// heap keyed by (rank, position), symbols form a linked list, and a pair made stale by an
+    /// earlier merge is skipped when it comes up. `n log n` in the piece's bytes.
     fn bpe(&self, piece: &str, out: &mut Vec<u32>) {
-        let mut symbols: Vec<String> = piece
+        // A byte without a token (a vocabulary that lacks some) is dropped, as before.
+        let mut sym: Vec<Symbol> = piece
             .bytes()
-            .map(|b| self.byte_to_char[b as usize].to_string())
+            .filter_map(|b| self.byte_tokens[b as usize])
+            .enumerate()
+            .map(|(i, id)| Symbol {
+                id,
+                prev: i.checked_sub(1),
+                next: Some(i + 1),
+                alive: true,
+            })
             .collect();
-        loop {
-            let best = symbols
-                .windows(2)
-                .enumerate()
-                .filter_map(|(i, w)| {
-                    self.ranks
-                        .get(&(w[0].clone(), w[1].clone()))
-                        .map(|r| (*r, i))
-                })
-                .min();
-            let Some((_, i)) = best else { break };
-            let right = symbols.remove(i + 1);
-            symbols[i].push_str(&right);
+        let Some(last) = sym.last_mut() else {
+            return;
+        };
+        last.next = None;
+        let mut heap = BinaryHeap::new();
+        let candidate = |sym: &[Symbol], i: usize| {
+            let j = sym[i].next?;
+            let (rank, _) = self.merges.get(&(sym[i].id, sym[j].id))?;
+            Some(Reverse((*rank, i, sym[i].id, sym[j].id)))
+        };
+        for i in 0..sym.len() {
+            heap.extend(candidate(&sym, i));
         }
-        for s in symbols {
-            match self.ids.get(&s) {
-                Some(id) => out.push(*id),
-                // Not in the vocabulary: fall back to its single-byte tokens.
-                None => out.extend(
-                    s.chars()
-                        .filter_map(|c| self.ids.get(&c.to_string()).copied()),
-                ),
+        while let Some(Reverse((_, i, left, right))) = heap.pop() {
+            // Stale: the left symbol merged into its neighbour, or either side changed.
+            let Some(j) = sym[i].next.filter(|_| sym[i].alive && sym[i].id == left) else {
+                continue;
+            };
+            if sym[j].id != right {
+                continue;
             }
+            let Some(&(_, merged)) = self.merges.get(&(left, right)) else {
+                continue;
+            };
+            sym[i].id = merged;
+            sym[j].alive = false;
+            sym[i].next = sym[j].next;
+            if let Some(k) = sym[j].next {
+                sym[k].prev = Some(i);
+            }
+            if let Some(p) = sym[i].prev {
+                heap.extend(candidate(&sym, p));
+            }
+            heap.extend(candidate(&sym, i));
+        }
+        let mut at = Some(0);
+        while let Some(i) = at {
+            out.push(sym[i].id);
+            at = sym[i].next;
         }
     }
 
@@ -246,6 +314,15 @@ impl Tokenizer {
         let bytes: Vec<u8> = ids.iter().flat_map(|id| self.token_bytes(*id)).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
+}
+
+/// A symbol of a piece being merged (a node of a linked list over the piece's bytes).
+#[derive(Debug, Clone, Copy)]
+struct Symbol {
+    id: u32,
+    prev: Option<usize>,
+    next: Option<usize>,
+    alive: bool,
 }
 
 /// Turns a stream of ids into text pieces that never split a UTF-8 character.

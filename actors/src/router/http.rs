@@ -140,14 +140,26 @@ async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
             .iter()
             .map(|m| Ok(Message::new(&m.role, &m.text()?)))
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let template = s
-            .chat
-            .as_ref()
-            .ok_or_else(|| ApiError::invalid("the model has no chat template", "messages"))?;
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
-        let prompt = s.tokenizer.encode(&text);
+        if s.chat.is_none() {
+            return Err(ApiError::invalid(
+                "the model has no chat template",
+                "messages",
+            ));
+        }
+        let bytes = messages.iter().map(|m| m.content.len()).sum();
+        fits_context(&s, bytes, "messages")?;
+        let shared = s.clone();
+        let prompt = off_executor(move || {
+            let template = shared
+                .chat
+                .as_ref()
+                .ok_or_else(|| ApiError::invalid("the model has no chat template", "messages"))?;
+            let text = template
+                .render(&messages, true)
+                .map_err(|e| ApiError::invalid(e.to_string(), "messages"))?;
+            Ok(shared.tokenizer.encode(&text))
+        })
+        .await?;
         Ok((prompt, r.common))
     }
     .await;
@@ -161,8 +173,8 @@ async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
     let result = async {
         let r: CompletionRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
-        let prompt = match &r.prompt {
-            Value::String(t) => s.tokenizer.encode(t),
+        let prompt = match r.prompt {
+            Value::String(t) => encode(&s, t).await?,
             Value::Array(items) if items.iter().all(Value::is_u64) => items
                 .iter()
                 .map(|v| {
@@ -174,8 +186,11 @@ async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
                         })
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-                s.tokenizer.encode(items[0].as_str().unwrap_or_default())
+            Value::Array(mut items) if items.len() == 1 && items[0].is_string() => {
+                match items.pop() {
+                    Some(Value::String(t)) => encode(&s, t).await?,
+                    _ => Vec::new(),
+                }
             }
             _ => {
                 return Err(ApiError::invalid(
@@ -191,6 +206,45 @@ async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
         Ok((prompt, common)) => serve(s, Api::Completion, prompt, common).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// Refuses a prompt of `bytes` that cannot fit the context whatever it encodes to (a token
+/// stands for at most `max_token_bytes` bytes), before any work is spent on it.
+fn fits_context(s: &RouterShared, bytes: usize, param: &str) -> Result<(), ApiError> {
+    let per_token = s.tokenizer.max_token_bytes();
+    let at_least = bytes.div_ceil(per_token);
+    if at_least > s.max_context {
+        return Err(ApiError::invalid(
+            format!(
+                "the prompt is {bytes} bytes, so at least {at_least} tokens (a token is at most \
+                 {per_token} bytes); the context is {} tokens",
+                s.max_context
+            ),
+            param,
+        )
+        .code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+/// Encodes a completion prompt, off the async executor.
+async fn encode(s: &Arc<RouterShared>, text: String) -> Result<Vec<u32>, ApiError> {
+    fits_context(s, text.len(), "prompt")?;
+    let shared = s.clone();
+    off_executor(move || Ok(shared.tokenizer.encode(&text))).await
+}
+
+/// Runs CPU work on the blocking pool, so that a long prompt's tokenization never holds an
+/// executor thread other requests' streams need.
+async fn off_executor<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| {
+        ApiError::server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("router: tokenizing failed: {e}"),
+        )
+    })?
 }
 
 fn check_model(s: &RouterShared, model: Option<&str>) -> Result<(), ApiError> {
