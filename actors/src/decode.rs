@@ -99,6 +99,12 @@ enum Cmd {
     PeerGone(String, String),
     /// A prefill node's worker incarnation, as its heartbeat says (first seen or changed).
     PrefillIncarnation(String, u64),
+    /// A prefill node's heartbeat: its engine steps so far, and the attempts it holds for us.
+    PrefillProgress {
+        node: String,
+        steps: u64,
+        holding: Vec<u64>,
+    },
     /// The prefill node is unreachable (membership): abort and drain, pins kept.
     PeerDown(String, String),
     Chunk(String, ChunkWritten),
@@ -274,6 +280,7 @@ impl Actor for DecodeWorker {
                 held: Vec::new(),
                 node: ctx.me.name.clone(),
                 prefill_incarnations: HashMap::new(),
+                prefill_steps: HashMap::new(),
                 drain_fence: settings.drain_fence,
                 forced_drain: settings.drain_backstop,
                 max_running: settings.max_running,
@@ -436,6 +443,13 @@ impl DecodeState {
     /// A new prefill worker incarnation proves the old one's writers are gone (its sender
     /// thread is joined before it stops), so transfers with it end and their pins drop.
     fn heartbeat(&mut self, from: &str, h: Heartbeat) {
+        if !h.holding.is_empty() {
+            let _ = self.cmds.send(Cmd::PrefillProgress {
+                node: from.to_string(),
+                steps: h.steps,
+                holding: h.holding.clone(),
+            });
+        }
         let known = self
             .prefill_incarnations
             .insert(from.to_string(), h.incarnation);
@@ -532,6 +546,15 @@ fn build_decode_runner(s: &ServingConfig, shm_name: &str) -> Result<(Runner, boo
     Ok((Runner::new(engine, s.max_batch_tokens, s.max_running), shm))
 }
 
+/// What prefill must hear of a transfer decode ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prefill {
+    /// Stop it (decode ended it: a cancel, a deadline, a lost peer, a restart).
+    Stop,
+    /// Nothing: prefill ended it itself (it reported a failure, or sent its done).
+    Ended,
+}
+
 /// A request waiting for pages.
 struct Prealloc {
     seq: u64,
@@ -551,6 +574,9 @@ struct Transfer {
     prefix: Vec<PageId>,
     pages: Vec<PageId>,
     noticed: Instant,
+    /// The last sign of progress: the notice, a chunk written, or prefill's engine stepping
+    /// while it holds the attempt. The transfer deadline counts from here.
+    progressed: Instant,
     bytes: u64,
 }
 
@@ -603,6 +629,8 @@ struct DecodeCore {
     node: String,
     /// Each prefill node's worker incarnation, from its heartbeats.
     prefill_incarnations: HashMap<String, u64>,
+    /// Each prefill node's engine steps, from its last heartbeat that held an attempt of ours.
+    prefill_steps: HashMap<String, u64>,
 }
 
 impl DecodeCore {
@@ -686,6 +714,19 @@ impl DecodeCore {
                 self.spans.insert(seq, (root, phase));
                 self.owners.insert(seq, (router.clone(), generate.request));
                 self.seqs.insert((router.clone(), generate.request), seq);
+                // A sequence that could never fit (the pool, even alone) is refused now,
+                // rather than left waiting for pages that will never be free.
+                let admissible = self.runner.scheduler.admissible(
+                    generate.prompt.len(),
+                    &generate.params,
+                    generate.resume,
+                    false,
+                );
+                if let (Err(e), Some(peer)) = (&admissible, &generate.prefill) {
+                    Self::drop_bootstrap_half(&self.outbox, peer);
+                    self.fail(seq, format!("decode admission: {e}"), items);
+                    return;
+                }
                 match generate.prefill.clone() {
                     Some(peer) => self.prealloc.push_back(Prealloc {
                         seq,
@@ -714,7 +755,7 @@ impl DecodeCore {
                 let refused = self.take_prealloc(|p| p.peer.node == node);
                 for p in refused {
                     self.fail(p.seq, format!("decode prealloc: {error}"), items);
-                    Self::drop_bootstrap_half(&self.outbox, &p);
+                    Self::drop_bootstrap_half(&self.outbox, &p.peer);
                 }
             }
             Cmd::PeerGone(node, why) => self.lose_peer(&node, &why, false, items),
@@ -723,9 +764,27 @@ impl DecodeCore {
             }
             Cmd::PeerDown(node, why) => self.lose_peer(&node, &why, true, items),
             Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
-                Some(t) if t.attempt == c.attempt => t.bytes = c.bytes,
+                Some(t) if t.attempt == c.attempt => {
+                    t.bytes = c.bytes;
+                    t.progressed = Instant::now();
+                }
                 _ => stale("chunk"),
             },
+            Cmd::PrefillProgress {
+                node,
+                steps,
+                holding,
+            } => {
+                let before = self.prefill_steps.insert(node.clone(), steps);
+                if before.is_some_and(|b| steps > b) {
+                    let now = Instant::now();
+                    for t in self.transfers.values_mut() {
+                        if t.peer.node == node && holding.contains(&t.attempt) {
+                            t.progressed = now;
+                        }
+                    }
+                }
+            }
             Cmd::Done(node, d) if !self.hold_done.is_zero() => {
                 tracing::warn!(
                     room = d.room,
@@ -744,7 +803,7 @@ impl DecodeCore {
                         .get(&key)
                         .is_some_and(|t| t.attempt == attempt);
                     if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
-                        self.end_transfer(&t, AbortReason::ProducerFailure, false);
+                        self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
                         self.fail_as(t.seq, f.error, f.class, items);
                     } else if !self.settle(attempt) {
                         stale("failed");
@@ -795,7 +854,7 @@ impl DecodeCore {
             let Some(t) = self.transfers.remove(&k) else {
                 continue;
             };
-            self.end_transfer(&t, AbortReason::ConsumerFailure, true);
+            self.end_transfer(&t, AbortReason::ConsumerFailure, Prefill::Stop);
             self.fail_as(
                 t.seq,
                 "decode transfer: the KV receiver restarted (its connections closed)".into(),
@@ -816,13 +875,13 @@ impl DecodeCore {
     /// Tells prefill's bootstrap queue to drop the router's half of a request decode failed
     /// before its notice (else it waits there until its deadline). Retried while the link
     /// reconnects; a node that stays unreachable drops it at its own deadline.
-    fn drop_bootstrap_half(outbox: &Outbox, p: &Prealloc) {
+    fn drop_bootstrap_half(outbox: &Outbox, peer: &PrefillPeer) {
         outbox.send(
-            &p.peer.node,
+            &peer.node,
             BOOTSTRAP_SERVICE,
             kinds::ABORT,
             &Abort {
-                room: p.peer.room,
+                room: peer.room,
                 attempt: None,
             },
         );
@@ -935,7 +994,7 @@ impl DecodeCore {
         if prompt.len() - cached < self.threshold || prompt.is_empty() {
             // Cheaper to prefill the short uncached rest here than to pair for it.
             let _ = alloc.release_all(&prefix);
-            Self::drop_bootstrap_half(&self.outbox, &p);
+            Self::drop_bootstrap_half(&self.outbox, &p.peer);
             metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
             if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
                 *phase = tracing::info_span!(
@@ -986,7 +1045,7 @@ impl DecodeCore {
                 let _ = alloc.release_all(&prefix);
                 let _ = alloc.release_all(&pages);
                 self.fail(p.seq, format!("decode prealloc: {e}"), items);
-                Self::drop_bootstrap_half(&self.outbox, &p);
+                Self::drop_bootstrap_half(&self.outbox, &p.peer);
                 return true;
             }
         };
@@ -1029,6 +1088,7 @@ impl DecodeCore {
                 prefix,
                 pages,
                 noticed: Instant::now(),
+                progressed: Instant::now(),
                 bytes: 0,
             },
         );
@@ -1056,7 +1116,7 @@ impl DecodeCore {
             // sent the done, so the pages are drained and free at once; the router retries.
             metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
             tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
-            self.end_transfer(&t, AbortReason::ProducerFailure, false);
+            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
             self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
             return;
         }
@@ -1069,7 +1129,7 @@ impl DecodeCore {
                 attempt = t.attempt,
                 "a writer still holds a complete transfer's claim"
             );
-            self.end_transfer(&t, AbortReason::ProducerFailure, true);
+            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
             self.fail(
                 t.seq,
                 "decode transfer: a write was still landing after prefill's fence; not served"
@@ -1196,10 +1256,10 @@ impl DecodeCore {
     }
 
     /// Ends a transfer that will not complete: aborted in the ledger (never published; the
-    /// pins stay), prefill told to stop writing it (unless `tell_prefill` is false: prefill
-    /// reported the failure itself), and its pages freed as soon as the revoke of its grant
+    /// pins stay), prefill told to stop writing it (unless it reported the end itself), and
+    /// its pages freed as soon as the revoke of its grant
     /// is proven ([`settle`](Self::settle)); until then they are quarantined.
-    fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, tell_prefill: bool) {
+    fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, prefill: Prefill) {
         let now = self.now_ms();
         let alloc = &mut self.runner.engine.pool.alloc;
         let _ = self.ledger.abort(t.attempt, reason, now, alloc);
@@ -1207,7 +1267,7 @@ impl DecodeCore {
         metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
             .increment(1);
-        if tell_prefill {
+        if prefill == Prefill::Stop {
             Self::abort_at_prefill(&self.outbox, t);
         }
         self.draining
@@ -1243,7 +1303,7 @@ impl DecodeCore {
     fn abort_seq(&mut self, seq: u64, reason: AbortReason) {
         if let Some(i) = self.prealloc.iter().position(|p| p.seq == seq) {
             if let Some(p) = self.prealloc.remove(i) {
-                Self::drop_bootstrap_half(&self.outbox, &p);
+                Self::drop_bootstrap_half(&self.outbox, &p.peer);
             }
             return;
         }
@@ -1253,7 +1313,7 @@ impl DecodeCore {
             .find(|(_, t)| t.seq == seq)
             .map(|(k, _)| k.clone());
         if let Some(t) = key.and_then(|k| self.transfers.remove(&k)) {
-            self.end_transfer(&t, reason, false);
+            self.end_transfer(&t, reason, Prefill::Stop);
             return;
         }
         if let Err(e) = self.runner.abort(seq) {
@@ -1281,7 +1341,7 @@ impl DecodeCore {
         // request for this node until its bootstrap deadline).
         let phase = if forget_peer { "unreachable" } else { "lost" };
         for t in self.take_transfers(node) {
-            self.end_transfer(&t, AbortReason::ProducerFailure, true);
+            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
             self.fail(
                 t.seq,
                 format!("decode transfer: prefill {node} {phase}: {why}"),
@@ -1294,7 +1354,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} {phase}: {why}"),
                 items,
             );
-            Self::drop_bootstrap_half(&self.outbox, &p);
+            Self::drop_bootstrap_half(&self.outbox, &p.peer);
         }
     }
 
@@ -1342,19 +1402,25 @@ impl DecodeCore {
                 }
             }
         }
+        // A transfer's deadline is on progress, not on its work: a long prompt that keeps
+        // computing and writing never hits it; a stopped or wedged prefill does.
         let late: Vec<(String, u64)> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.noticed.elapsed() > self.transfer_timeout)
+            .filter(|(_, t)| t.progressed.elapsed() > self.transfer_timeout)
             .map(|(k, _)| k.clone())
             .collect();
         for k in late {
             if let Some(t) = self.transfers.remove(&k) {
-                self.end_transfer(&t, AbortReason::Timeout, false);
+                self.end_transfer(&t, AbortReason::Timeout, Prefill::Stop);
                 let limit = self.transfer_timeout;
-                self.fail(
+                self.fail_as(
                     t.seq,
-                    format!("decode transfer: KV incomplete after {limit:?}"),
+                    format!(
+                        "decode transfer: no progress for {limit:?} (prefill {} computed and wrote nothing for it)",
+                        t.peer.node
+                    ),
+                    FailureClass::Stalled,
                     items,
                 );
             }

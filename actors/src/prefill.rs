@@ -143,6 +143,7 @@ impl Actor for PrefillWorker {
             incarnation,
             runner.engine.pool.capacity(),
         )));
+        let holding = Arc::new(Mutex::new(Holding::default()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (cmd_tx, cmd_rx) = std_mpsc::channel();
         let (outbox, outbox_task) = outbox::start(ctx.clone(), WORKER_SERVICE);
@@ -165,6 +166,7 @@ impl Actor for PrefillWorker {
                 worker: incarnation,
                 outbox,
                 load: load.clone(),
+                holding: holding.clone(),
                 flights: HashMap::new(),
                 rooms: HashMap::new(),
                 next_seq: 0,
@@ -177,7 +179,12 @@ impl Actor for PrefillWorker {
         }
         install_drain_probe(&ctx, "prefill worker", &load, settings.shutdown_drain);
         let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
-        let heartbeat = tokio::spawn(heartbeats(ctx.clone(), settings.load_interval, incarnation));
+        let heartbeat = tokio::spawn(heartbeats(
+            ctx.clone(),
+            settings.load_interval,
+            incarnation,
+            holding,
+        ));
         ctx.services.register(PREFILL_SERVICE, myself);
         tracing::info!(%node, incarnation, "prefill worker ready");
         Ok(PrefillState {
@@ -246,8 +253,22 @@ impl Actor for PrefillWorker {
     }
 }
 
-/// Tells every decode node this worker's incarnation, every `interval`.
-async fn heartbeats(ctx: Arc<NodeContext>, interval: Duration, incarnation: u64) {
+/// What the engine thread holds, for the heartbeats: its steps so far and, per decode node,
+/// the attempts it holds.
+#[derive(Debug, Default)]
+struct Holding {
+    steps: u64,
+    by_decode: HashMap<String, Vec<u64>>,
+}
+
+/// Tells every decode node this worker's incarnation, the attempts it holds for that node and
+/// how far its engine got, every `interval`.
+async fn heartbeats(
+    ctx: Arc<NodeContext>,
+    interval: Duration,
+    incarnation: u64,
+    holding: Arc<Mutex<Holding>>,
+) {
     let decoders: Vec<String> = ctx
         .config
         .nodes
@@ -255,19 +276,27 @@ async fn heartbeats(ctx: Arc<NodeContext>, interval: Duration, incarnation: u64)
         .filter(|n| n.role == Role::Decode)
         .map(|n| n.name.clone())
         .collect();
-    let body = wire::encode_body(&Heartbeat { incarnation });
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
-        for d in &decoders {
+        let bodies: Vec<(&String, Vec<u8>)> = {
+            let h = holding.lock().unwrap_or_else(|p| p.into_inner());
+            decoders
+                .iter()
+                .map(|d| {
+                    let beat = Heartbeat {
+                        incarnation,
+                        holding: h.by_decode.get(d).cloned().unwrap_or_default(),
+                        steps: h.steps,
+                    };
+                    (d, wire::encode_body(&beat))
+                })
+                .collect()
+        };
+        for (d, body) in bodies {
             if let Ok(link) = ctx.links.get(d) {
                 let _ = link
-                    .send(
-                        kinds::HEARTBEAT,
-                        PREFILL_SERVICE,
-                        WORKER_SERVICE,
-                        body.clone(),
-                    )
+                    .send(kinds::HEARTBEAT, PREFILL_SERVICE, WORKER_SERVICE, body)
                     .await;
             }
         }
@@ -366,6 +395,8 @@ struct PrefillCore {
     worker: u64,
     outbox: Outbox,
     load: Arc<Mutex<LoadReport>>,
+    /// What the heartbeats tell decode nodes (see [`Holding`]).
+    holding: Arc<Mutex<Holding>>,
     flights: HashMap<u64, Flight>,
     /// (decode node, room) -> sequence.
     rooms: HashMap<(String, u64), u64>,
@@ -671,6 +702,7 @@ impl PrefillCore {
         };
         let compute_end = Instant::now();
         drop(chunk_spans);
+        self.holding.lock().unwrap_or_else(|p| p.into_inner()).steps += 1;
         metrics::counter!(m::PREFILL_CHUNKS).increment(plan.items.len() as u64);
         // Ship the pages this step filled, before commit may end the sequence (the pins keep
         // them from reuse until the sender has read them).
@@ -784,6 +816,15 @@ impl PrefillCore {
         l.quarantined_pages = self.ledger.quarantined_pages();
         metrics::gauge!(m::KV_PAGES_KEPT).set(runner.cache.kept() as f64);
         metrics::counter!(m::MIGRATION_KEEPS_BROKEN).absolute(runner.cache.keeps_broken);
+        drop(l);
+        let mut h = self.holding.lock().unwrap_or_else(|p| p.into_inner());
+        h.by_decode.clear();
+        for f in self.flights.values().filter(|f| !f.aborted) {
+            h.by_decode
+                .entry(f.decode.clone())
+                .or_default()
+                .push(f.start.notice.attempt);
+        }
     }
 }
 

@@ -304,6 +304,10 @@ pub enum FailureClass {
     /// actor incarnations): never the request's doing, so a retry is free (after a short
     /// pause, a bounded number of times).
     Restart,
+    /// The attempt made no progress for its deadline (`transfer_timeout_secs`): its prefill
+    /// worker computed nothing and wrote no KV for it. The same pair would likely stall
+    /// again, so a retry (which spends one of `serving.retries`) avoids that prefill worker.
+    Stalled,
 }
 
 /// P → D: the prefill failed (its writes, if any, have drained).
@@ -321,10 +325,18 @@ pub struct TransferFailed {
 }
 
 /// P → D, every load interval.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// P's prefill worker incarnation.
     pub incarnation: u64,
+    /// The attempts (D's keys) P holds for this D: queued, computing or being written.
+    #[serde(default)]
+    pub holding: Vec<u64>,
+    /// P's engine steps so far. D counts an attempt P holds as progressing while this grows
+    /// (a prompt waiting behind others in a busy prefill is not stuck; one in a stopped or
+    /// wedged prefill is).
+    #[serde(default)]
+    pub steps: u64,
 }
 
 /// Start generating for a request.

@@ -40,6 +40,7 @@ impl Runner {
                 max_running,
                 max_context: o.max_context,
                 page_size: o.page_size,
+                pool_tokens: engine.pool.capacity() * o.page_size,
             }),
             cache: PrefixCache::new(o.page_size),
             engine,

@@ -36,6 +36,9 @@ pub struct SchedulerConfig {
     pub max_context: usize,
     /// Tokens per page (the pool's).
     pub page_size: usize,
+    /// Tokens the whole KV pool holds: no sequence can outgrow it (one that would is refused
+    /// at once rather than left waiting for pages that can never be free).
+    pub pool_tokens: usize,
 }
 
 /// A request the scheduler cannot take.
@@ -55,6 +58,18 @@ pub enum SubmitError {
         max_tokens: usize,
         /// The limit.
         context: usize,
+    },
+    /// The sequence could never fit the KV pool, even alone.
+    #[error(
+        "the sequence needs {needed} tokens of KV (prompt {prompt} plus output); the whole pool holds {pool} tokens"
+    )]
+    PoolTooSmall {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens of KV the sequence needs at most.
+        needed: usize,
+        /// The pool's capacity in tokens.
+        pool: usize,
     },
     /// The id is already in use.
     #[error("sequence {0} already exists")]
@@ -226,17 +241,56 @@ impl Scheduler {
         resume: Resume,
         tok: Option<&Tokenizer>,
     ) -> Result<(), SubmitError> {
-        if prompt.is_empty() || resume.generated >= prompt.len() {
+        self.queue(id, prompt, params, resume, tok, false)
+    }
+
+    /// Whether a sequence of `prompt_len` tokens (the last `resume.generated` of them
+    /// generated before) could ever run here: it fits the context and, even alone, the KV
+    /// pool. `prefill_only`: only its prompt is computed here.
+    pub fn admissible(
+        &self,
+        prompt_len: usize,
+        params: &SamplingParams,
+        resume: Resume,
+        prefill_only: bool,
+    ) -> Result<(), SubmitError> {
+        if prompt_len == 0 || resume.generated >= prompt_len {
             return Err(SubmitError::EmptyPrompt);
         }
-        if prompt.len() + params.max_tokens.saturating_sub(resume.generated) > self.cfg.max_context
-        {
+        let output = params.max_tokens.saturating_sub(resume.generated);
+        if prompt_len + output > self.cfg.max_context {
             return Err(SubmitError::TooLong {
-                prompt: prompt.len(),
+                prompt: prompt_len,
                 max_tokens: params.max_tokens,
                 context: self.cfg.max_context,
             });
         }
+        // Prefill holds the prompt only (its first token's KV is decode's to compute).
+        let needed = if prefill_only {
+            prompt_len
+        } else {
+            prompt_len + output
+        };
+        if needed > self.cfg.pool_tokens {
+            return Err(SubmitError::PoolTooSmall {
+                prompt: prompt_len,
+                needed,
+                pool: self.cfg.pool_tokens,
+            });
+        }
+        Ok(())
+    }
+
+    fn queue(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        resume: Resume,
+        tok: Option<&Tokenizer>,
+        prefill_only: bool,
+    ) -> Result<(), SubmitError> {
+        self.admissible(prompt.len(), &params, resume, prefill_only)?;
         if self.seqs.contains_key(&id) {
             return Err(SubmitError::Duplicate(id));
         }
@@ -597,7 +651,7 @@ impl Scheduler {
         // Prefill samples only the next token: it needs the sampler's position and the
         // min_tokens count, not the text.
         let generated = resume.generated;
-        self.submit_resumed(id, prompt, params, resume, None)?;
+        self.queue(id, prompt, params, resume, None, true)?;
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.prefill_only = true;
             seq.generated = generated;
@@ -673,7 +727,7 @@ impl Scheduler {
         tok: &Tokenizer,
         alloc: &mut PageAllocator,
     ) -> Result<SeqEvent, PoolError> {
-        let max_context = self.cfg.max_context;
+        let max_context = self.cfg.max_context.min(self.cfg.pool_tokens);
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Err(PoolError::NotAllocated(0));
         };

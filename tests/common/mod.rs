@@ -26,15 +26,25 @@ pub fn real_model() -> PathBuf {
 /// One `/v1/completions` request through curl (a real HTTP client): the status and the body
 /// (`Null` when it is not JSON).
 pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
-    let out = Command::new("curl")
+    use tokio::io::AsyncWriteExt;
+    // The body goes through stdin: a command-line argument is limited to 128 KiB.
+    let mut curl = Command::new("curl")
         .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
         .arg("content-type: application/json")
-        .arg("-d")
-        .arg(body.to_string())
+        .args(["--data-binary", "@-"])
         .arg(format!("http://127.0.0.1:{http}/v1/completions"))
-        .output()
-        .await
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
         .expect("curl");
+    if let Some(mut stdin) = curl.stdin.take() {
+        stdin
+            .write_all(body.to_string().as_bytes())
+            .await
+            .expect("curl's stdin");
+    }
+    let out = curl.wait_with_output().await.expect("curl");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
     (

@@ -264,9 +264,15 @@ fn check_model(s: &RouterShared, model: Option<&str>) -> Result<(), ApiError> {
 }
 
 /// Turns the request parameters into sampling parameters, refusing bad values.
-fn params(s: &RouterShared, prompt_len: usize, c: &Common) -> Result<SamplingParams, ApiError> {
+/// `prompt_param` names the request field that held the prompt (`messages` or `prompt`).
+fn params(
+    s: &RouterShared,
+    prompt_len: usize,
+    prompt_param: &str,
+    c: &Common,
+) -> Result<SamplingParams, ApiError> {
     if prompt_len == 0 {
-        return Err(ApiError::invalid("the prompt is empty", "prompt"));
+        return Err(ApiError::invalid("the prompt is empty", prompt_param));
     }
     if c.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported", "n"));
@@ -288,14 +294,12 @@ fn params(s: &RouterShared, prompt_len: usize, c: &Common) -> Result<SamplingPar
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
     }
-    let room = s.max_context.saturating_sub(prompt_len);
+    let (limit, what) = s.sequence_limit();
+    let room = limit.saturating_sub(prompt_len);
     if room == 0 {
         return Err(ApiError::invalid(
-            format!(
-                "the prompt has {prompt_len} tokens; the context is {} tokens",
-                s.max_context
-            ),
-            "messages",
+            format!("the prompt has {prompt_len} tokens; {what}"),
+            prompt_param,
         )
         .code("context_length_exceeded"));
     }
@@ -305,8 +309,7 @@ fn params(s: &RouterShared, prompt_len: usize, c: &Common) -> Result<SamplingPar
         Some(m) => {
             return Err(ApiError::invalid(
                 format!(
-                    "max_tokens is {m}, but the prompt has {prompt_len} tokens and the context is {}: at most {room}",
-                    s.max_context
+                    "max_tokens is {m}, but the prompt has {prompt_len} tokens and {what}: at most {room}"
                 ),
                 "max_tokens",
             )
@@ -337,6 +340,8 @@ struct Generation {
     params: SamplingParams,
     current: Option<Started>,
     tried: Vec<String>,
+    /// Prefill workers an attempt stalled on (see [`FailureClass::Stalled`]).
+    stalled_on: Vec<String>,
     /// Attempts left after this one (none for a pair the client forced).
     attempts_left: usize,
     /// Tokens the client had when the current attempt started.
@@ -420,6 +425,7 @@ impl Generation {
             },
             progress_mark: 0,
             refusals: 0,
+            stalled_on: Vec::new(),
             current: Some(started),
             shared,
             prompt,
@@ -460,6 +466,12 @@ impl Generation {
         let Some(old) = self.current.take() else {
             return Err(error.to_string());
         };
+        if class == FailureClass::Stalled
+            && let Some(p) = &old.prefill
+        {
+            // Not blindly again: the next attempt goes around the prefill worker that stalled.
+            self.stalled_on.push(p.clone());
+        }
         // The old attempt may still be running (the router restarted, not the worker).
         self.shared.cancel(old.request);
         let mut prompt = self.prompt.clone();
@@ -485,6 +497,7 @@ impl Generation {
             },
             forced: None,
             prefer_prefill: if migrating { old.prefill.clone() } else { None },
+            avoid_prefill: self.stalled_on.clone(),
         };
         // A start that fails (a worker membership has not yet marked down, a link that just
         // dropped) spends an attempt and is tried again after a growing pause, as the first
@@ -628,7 +641,11 @@ async fn serve(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> R
 }
 
 async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
-    let params = match params(&s, prompt.len(), &c) {
+    let prompt_param = match api {
+        Api::Chat => "messages",
+        Api::Completion => "prompt",
+    };
+    let params = match params(&s, prompt.len(), prompt_param, &c) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };

@@ -87,6 +87,31 @@ impl RouterShared {
             .collect()
     }
 
+    /// The longest sequence (prompt plus output) the cluster can hold, and what sets it: the
+    /// model's context, or the largest ready decode worker's KV pool when that is smaller (a
+    /// sequence that outgrows every pool could never finish).
+    pub fn sequence_limit(&self) -> (usize, String) {
+        let largest_pool = self
+            .ready_workers()
+            .into_iter()
+            .filter(|r| r.kind == WorkerKind::Decode)
+            .map(|r| (r.total_pages * r.layout.layout.page_size, r))
+            .max_by_key(|(tokens, _)| *tokens);
+        match largest_pool {
+            Some((tokens, r)) if tokens < self.max_context => (
+                tokens,
+                format!(
+                    "the largest decode KV pool holds {tokens} tokens ({} pages of {} on {})",
+                    r.total_pages, r.layout.layout.page_size, r.worker
+                ),
+            ),
+            _ => (
+                self.max_context,
+                format!("the context is {} tokens", self.max_context),
+            ),
+        }
+    }
+
     /// Power of two choices among ready workers that pass `keep`: the less loaded wins.
     fn pick(&self, keep: impl Fn(&LoadReport) -> bool) -> Option<LoadReport> {
         let ready: Vec<LoadReport> = self.ready_workers().into_iter().filter(keep).collect();
@@ -123,6 +148,7 @@ impl RouterShared {
         exclude: &[String],
         forced: Option<&str>,
         prefer_prefill: Option<&str>,
+        avoid_prefill: &[String],
     ) -> Result<(String, Option<String>), String> {
         if let Some(pair) = forced {
             let (p, d) = pair.split_once(',').ok_or_else(|| {
@@ -140,8 +166,13 @@ impl RouterShared {
             metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
             return Ok((decode.worker, None));
         }
-        let compatible =
-            |r: &LoadReport| r.kind == WorkerKind::Prefill && r.layout == decode.layout;
+        // A prefill worker whose pool cannot hold the prompt would fail it: not a candidate.
+        let compatible = |r: &LoadReport| {
+            r.kind == WorkerKind::Prefill
+                && r.layout == decode.layout
+                && r.total_pages * r.layout.layout.page_size > prompt_len
+                && !avoid_prefill.contains(&r.worker)
+        };
         // A continuation goes back to the prefill worker that keeps its prompt's KV.
         let prefill = prefer_prefill
             .and_then(|p| self.pick(|r| compatible(r) && r.worker == p))
@@ -201,6 +232,7 @@ impl RouterShared {
             &placement.exclude,
             placement.forced.as_deref(),
             placement.prefer_prefill.as_deref(),
+            &placement.avoid_prefill,
         )?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
@@ -392,6 +424,9 @@ struct Placement {
     forced: Option<String>,
     /// The prefill worker that keeps this prompt's KV (a continuation).
     prefer_prefill: Option<String>,
+    /// Prefill workers never to use for this request (an attempt stalled on them: the same
+    /// pair would stall again). Without another, decode prefills the prompt itself.
+    avoid_prefill: Vec<String>,
 }
 
 struct Started {
