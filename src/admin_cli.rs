@@ -49,6 +49,8 @@ pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
                     status: "unreachable".into(),
                     error: Some(e.to_string()),
                     root: None,
+                    pid: None,
+                    process_restarts: 0,
                 },
             }
         }

@@ -1,6 +1,11 @@
 //! `duet chaos`: load through the router while a random serving actor is killed at an
 //! interval, then a report of what the cluster did with every request.
 //!
+//! With `--pause` and `--crash`, whole worker processes are faulted too (on this host: the
+//! node's pid comes from its admin API): SIGSTOP for a random `--pause-secs` (then SIGCONT),
+//! and SIGKILL (the cluster's `duet up` starts the node again). Faults deal from a shuffled
+//! deck of every target, so each is hit once per round.
+//!
 //! Each request is a greedy completion of one of a few fixed prompts whose output the engine
 //! computes in this process first (what `duet generate` prints), so an answer that differs is
 //! counted as corrupted. After the load the command waits for the cluster to go quiet and counts
@@ -16,6 +21,8 @@ use duet_actors::settings::ServingConfig;
 use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
 use duet_runtime::admin::client::{self, Method};
 use duet_runtime::config::Role;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -47,6 +54,44 @@ pub struct ChaosArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also stop worker node processes (SIGSTOP, then SIGCONT after `--pause-secs`).
+    #[arg(long)]
+    pub pause: bool,
+    /// How long a pause lasts: a random number of seconds in this range (`MIN..MAX`).
+    #[arg(long, default_value = "1..10", value_parser = parse_range)]
+    pub pause_secs: (f64, f64),
+    /// Also kill worker node processes (SIGKILL; `duet up` starts them again).
+    #[arg(long)]
+    pub crash: bool,
+}
+
+fn parse_range(text: &str) -> Result<(f64, f64), String> {
+    let (a, b) = text
+        .split_once("..")
+        .ok_or_else(|| format!("`{text}` is not a range: expected MIN..MAX seconds"))?;
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| format!("`{v}` is not a number of seconds"))
+    };
+    let (a, b) = (parse(a)?, parse(b)?);
+    if a > b {
+        return Err(format!("`{text}`: MIN is larger than MAX"));
+    }
+    Ok((a, b))
+}
+
+/// One fault of the deck.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Fault {
+    /// `duet kill` of an actor (its path).
+    Kill(String),
+    /// SIGSTOP a node's process, SIGCONT later.
+    Pause(String),
+    /// SIGKILL a node's process.
+    Crash(String),
 }
 
 /// A request that got no answer within this is counted unfinished.
@@ -80,30 +125,118 @@ pub async fn run(args: ChaosArgs) -> ExitCode {
     }
 }
 
-/// The serving actors of a node, by the paths `duet kill` takes.
-fn targets(config: &duet_runtime::config::ClusterConfig) -> Vec<String> {
+/// Every fault to deal: the serving actors of each node (by the paths `duet kill` takes) and,
+/// if asked, the worker node processes.
+fn targets(config: &duet_runtime::config::ClusterConfig, args: &ChaosArgs) -> Vec<Fault> {
     let mut out = Vec::new();
     for n in &config.nodes {
-        match n.role {
-            Role::Router => out.push(format!("{}/router/router", n.name)),
-            Role::Prefill => {
-                out.push(format!("{}/prefill/bootstrap", n.name));
-                out.push(format!("{}/prefill/worker", n.name));
-                out.push(format!("{}/prefill/sender", n.name));
+        let actors: &[&str] = match n.role {
+            Role::Router => &["router/router"],
+            Role::Prefill => &["prefill/bootstrap", "prefill/worker", "prefill/sender"],
+            Role::Decode => &["decode/worker", "decode/receiver"],
+        };
+        out.extend(
+            actors
+                .iter()
+                .map(|a| Fault::Kill(format!("{}/{a}", n.name))),
+        );
+        // The router is the cluster's one front door: stopping it stops every stream.
+        if n.role != Role::Router {
+            if args.pause {
+                out.push(Fault::Pause(n.name.clone()));
             }
-            Role::Decode => {
-                out.push(format!("{}/decode/worker", n.name));
-                out.push(format!("{}/decode/receiver", n.name));
+            if args.crash {
+                out.push(Fault::Crash(n.name.clone()));
             }
         }
     }
     out
 }
 
+/// Fails within a few seconds, naming what it tried, if the cluster is not running: the
+/// router's HTTP port and every node's admin API must answer.
+async fn reachable(
+    config: &duet_runtime::config::ClusterConfig,
+    token: &str,
+    http: std::net::SocketAddr,
+) -> Result<(), String> {
+    let health = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut s = tokio::net::TcpStream::connect(http).await?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: duet\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer.starts_with(b"HTTP/1.1 200"))
+    })
+    .await;
+    match health {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => return Err(format!("the router at http://{http} is not healthy")),
+        Ok(Err(e)) => {
+            return Err(format!(
+                "no router answers at http://{http}: {e} (is the cluster running? `duet up`)"
+            ));
+        }
+        Err(_) => {
+            return Err(format!(
+                "the router at http://{http} did not answer within 2 s"
+            ));
+        }
+    }
+    for n in &config.nodes {
+        client::call(
+            n.admin,
+            token,
+            Method::GET,
+            "/v1/tree",
+            None,
+            Duration::from_secs(2),
+        )
+        .await
+        .map_err(|e| format!("node {} (admin http://{}): {e}", n.name, n.admin))?;
+    }
+    Ok(())
+}
+
+/// A node's process id, from its admin API.
+async fn node_pid(n: &duet_runtime::config::NodeConfig, token: &str) -> Option<i32> {
+    let tree = client::call(
+        n.admin,
+        token,
+        Method::GET,
+        "/v1/tree",
+        None,
+        Duration::from_secs(3),
+    )
+    .await
+    .ok()?;
+    tree["pid"].as_u64().and_then(|p| i32::try_from(p).ok())
+}
+
+/// Node processes this run stopped: continued when dropped, whatever ends the run.
+#[derive(Default)]
+struct Paused(Arc<Mutex<BTreeMap<String, i32>>>);
+
+impl Paused {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, i32>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        for pid in self.lock().values() {
+            let _ = kill(Pid::from_raw(*pid), Signal::SIGCONT);
+        }
+    }
+}
+
 async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
     let (config, token) =
         crate::admin_cli::load(&args.config).map_err(|_| "cannot load the cluster".to_string())?;
     let serving = ServingConfig::from_cluster(&config).map_err(|e| e.to_string())?;
+    reachable(&config, &token, serving.http).await?;
     // The reference: greedy outputs of a few prompts, from the engine in this process.
     let mut rng = StdRng::seed_from_u64(args.seed);
     let prompts: Vec<Vec<u32>> = [12usize, 40, 90, 200, 300]
@@ -161,39 +294,83 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
     // The killer.
     // Kills deal from a shuffled deck of every target: random order, yet each kind is hit
     // once per round (a short run still reaches every actor).
-    let targets = targets(&config);
-    let mut deck: Vec<String> = Vec::new();
+    let targets = targets(&config, args);
+    let mut deck: Vec<Fault> = Vec::new();
     let mut kills: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut pauses, mut crashes): (BTreeMap<String, u64>, BTreeMap<String, u64>) =
+        Default::default();
+    let paused = Paused::default();
     let mut next = epoch + Duration::from_secs_f64(args.kill_every);
     while next < end {
         tokio::time::sleep_until(next.into()).await;
+        next += Duration::from_secs_f64(args.kill_every);
         if deck.is_empty() {
             deck = targets.clone();
             deck.shuffle(&mut rng);
         }
-        let Some(path) = deck.pop() else { break };
-        let path = &path;
-        let node = path.split('/').next().unwrap_or_default();
-        if let Some(n) = config.node(node) {
-            let killed = client::call(
-                n.admin,
-                &token,
-                Method::POST,
-                "/v1/actors/kill",
-                Some(json!({ "path": path })),
-                Duration::from_secs(5),
-            )
-            .await;
-            if killed.is_ok() {
-                let kind = path.rsplit('/').next().unwrap_or_default().to_string();
-                *kills.entry(kind).or_default() += 1;
+        let Some(fault) = deck.pop() else { break };
+        let node = match &fault {
+            Fault::Kill(path) => path.split('/').next().unwrap_or_default(),
+            Fault::Pause(node) | Fault::Crash(node) => node.as_str(),
+        };
+        let Some(n) = config.node(node) else { continue };
+        if paused.lock().contains_key(node) {
+            continue; // a stopped node answers nothing: this turn passes
+        }
+        match &fault {
+            Fault::Kill(path) => {
+                let killed = client::call(
+                    n.admin,
+                    &token,
+                    Method::POST,
+                    "/v1/actors/kill",
+                    Some(json!({ "path": path })),
+                    Duration::from_secs(5),
+                )
+                .await;
+                if killed.is_ok() {
+                    let kind = path.rsplit('/').next().unwrap_or_default().to_string();
+                    *kills.entry(kind).or_default() += 1;
+                }
+            }
+            Fault::Pause(node) => {
+                let Some(pid) = node_pid(n, &token).await else {
+                    continue;
+                };
+                let (lo, hi) = args.pause_secs;
+                let secs = if hi > lo {
+                    rng.random_range(lo..=hi)
+                } else {
+                    lo
+                };
+                if kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok() {
+                    paused.lock().insert(node.clone(), pid);
+                    *pauses.entry(node.clone()).or_default() += 1;
+                    let (all, node) = (paused.0.clone(), node.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+                        let mut all = all.lock().unwrap_or_else(|p| p.into_inner());
+                        if let Some(pid) = all.remove(&node) {
+                            let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
+                        }
+                    });
+                }
+            }
+            Fault::Crash(node) => {
+                let Some(pid) = node_pid(n, &token).await else {
+                    continue;
+                };
+                if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+                    *crashes.entry(node.clone()).or_default() += 1;
+                }
             }
         }
-        next += Duration::from_secs_f64(args.kill_every);
     }
     for w in workers {
         let _ = w.await;
     }
+    // Nothing stays stopped past the load.
+    drop(paused);
     let load_seconds = epoch.elapsed().as_secs_f64();
     // Quiet: every pool whole on every worker, or the deadline.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -253,6 +430,8 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
         "failed_by_phase": by_phase,
         "errors": errors,
         "kills": kills,
+        "pauses": pauses,
+        "crashes": crashes,
         "restarts_by_kind": restarts,
         "load_seconds": load_seconds,
     }))

@@ -108,6 +108,9 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Up { .. } | Command::Node { .. }) {
+        quiet_on_closed_pipe();
+    }
     // The engine commands need no async runtime.
     match cli.command {
         Command::FetchModel { out, verify } => return generate::fetch_model(out, verify),
@@ -141,6 +144,21 @@ async fn run(cli: Cli) -> ExitCode {
         Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
             ExitCode::SUCCESS
         }
+    }
+}
+
+/// A one-shot command whose output is cut short (`duet generate ... | head -c 100`) ends
+/// quietly, as Unix tools do, instead of panicking in `println!` on the broken pipe: the
+/// default action of SIGPIPE is restored (Rust ignores it). Long-running processes (`up`,
+/// `node`) keep ignoring it: a peer that goes away must never kill a node.
+fn quiet_on_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: called first thing in `main`, before any thread exists, and SIG_DFL installs
+    // no handler code.
+    #[allow(unsafe_code)]
+    let restored = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+    if let Err(e) = restored {
+        eprintln!("warning: cannot restore SIGPIPE: {e}");
     }
 }
 

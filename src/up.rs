@@ -1,20 +1,26 @@
-//! `duet up`: every node of a cluster file as a child process of this one.
+//! `duet up`: every node of a cluster file as a child process of this one, supervised.
 //!
 //! Shows start-up progress, prints one line beginning with `ready` once every node reported
 //! ready, forwards the nodes' logs (prefixed with the node name), and on Ctrl-C or SIGTERM
 //! asks every node to drain (SIGTERM), killing those that outlive the drain timeout. If a
 //! node fails to start, the others are stopped and `duet up` exits non-zero naming the node
 //! and its reason.
+//!
+//! Once the cluster serves, `duet up` is the local cluster's process supervisor: a node whose
+//! process dies (a crash, SIGKILL, a non-zero exit) is started again after a growing pause
+//! (100 ms, doubling, at most 5 s), at most `[supervision.node]` `max_restarts` times within
+//! `within_secs` (then it stays down, with an error naming it). A node that exits 0 drained on
+//! purpose (SIGTERM) and is not restarted. `duet tree` shows each node's process restarts.
 
 use std::collections::{HashMap, VecDeque};
-use std::path::Path;
-use std::process::{ExitCode, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use duet_runtime::config::ClusterConfig;
+use duet_runtime::config::{ClusterConfig, RestartPolicy};
 use duet_runtime::credentials::Credentials;
-use duet_runtime::node::{READY_MARKER, ShutdownSignals};
+use duet_runtime::node::{PROCESS_RESTARTS_ENV, READY_MARKER, ShutdownSignals};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -28,10 +34,16 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// Log lines kept per node to explain a failed start.
 const KEPT_LINES: usize = 40;
+/// The first pause before a dead node is started again, and the longest.
+const RESTART_PAUSE: Duration = Duration::from_millis(100);
+const RESTART_PAUSE_MAX: Duration = Duration::from_secs(5);
 
 enum Event {
     Ready(String),
-    Exited(String, String),
+    /// A node process ended: its name, how, and which start of it that was.
+    Exited(String, Result<ExitStatus, String>, u32),
+    /// A dead node's pause is over: start it again.
+    Restart(String),
 }
 
 struct Proc {
@@ -39,6 +51,84 @@ struct Proc {
     pid: Option<u32>,
     running: bool,
     log: Arc<Mutex<VecDeque<String>>>,
+    /// Times its process was started again after it died.
+    restarts: u32,
+    /// When those restarts happened (the restart intensity's window).
+    recent: VecDeque<Instant>,
+}
+
+/// Starts node processes and watches them.
+struct Launcher {
+    exe: PathBuf,
+    config: PathBuf,
+    events: mpsc::UnboundedSender<Event>,
+    progress: MultiProgress,
+}
+
+impl Launcher {
+    /// Starts node `name` (its `restarts`-th restart), forwarding its logs and reporting its
+    /// readiness and its end as events.
+    fn spawn(&self, name: &str, restarts: u32) -> std::io::Result<Proc> {
+        let mut child = Command::new(&self.exe)
+            .arg("node")
+            .arg("--config")
+            .arg(&self.config)
+            .arg("--name")
+            .arg(name)
+            .env(PROCESS_RESTARTS_ENV, restarts.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let log = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(out) = child.stdout.take() {
+            let (events, name) = (self.events.clone(), name.to_string());
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(out).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with(READY_MARKER) {
+                        let _ = events.send(Event::Ready(name.clone()));
+                    }
+                }
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let (log, name, progress) = (log.clone(), name.to_string(), self.progress.clone());
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(err).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    progress.suspend(|| eprintln!("[{name}] {line}"));
+                    let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
+                    if log.len() == KEPT_LINES {
+                        log.pop_front();
+                    }
+                    log.push_back(line);
+                }
+            });
+        }
+        let pid = child.id();
+        let (events, n) = (self.events.clone(), name.to_string());
+        tokio::spawn(async move {
+            let status = child.wait().await.map_err(|e| e.to_string());
+            let _ = events.send(Event::Exited(n, status, restarts));
+        });
+        Ok(Proc {
+            name: name.to_string(),
+            pid,
+            running: true,
+            log,
+            restarts,
+            recent: VecDeque::new(),
+        })
+    }
+}
+
+fn describe(status: &Result<ExitStatus, String>) -> String {
+    match status {
+        Ok(s) => s.to_string(),
+        Err(e) => e.clone(),
+    }
 }
 
 /// Runs `duet up`.
@@ -85,6 +175,12 @@ pub async fn run(config_path: &Path) -> ExitCode {
     let style = ProgressStyle::with_template("{spinner} {prefix:>10} {msg}")
         .unwrap_or_else(|_| ProgressStyle::default_spinner());
     let (events, mut rx) = mpsc::unbounded_channel();
+    let launcher = Launcher {
+        exe,
+        config: config.path.clone(),
+        events,
+        progress: progress.clone(),
+    };
     let mut procs = Vec::new();
     let mut bars = HashMap::new();
     for node in &config.nodes {
@@ -94,66 +190,14 @@ pub async fn run(config_path: &Path) -> ExitCode {
         bar.set_message(format!("starting ({}, {})", node.role, node.address));
         bar.enable_steady_tick(Duration::from_millis(100));
         bars.insert(node.name.clone(), bar);
-        let spawned = Command::new(&exe)
-            .arg("node")
-            .arg("--config")
-            .arg(&config.path)
-            .arg("--name")
-            .arg(&node.name)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
+        match launcher.spawn(&node.name, 0) {
+            Ok(p) => procs.push(p),
             Err(e) => {
                 progress.suspend(|| eprintln!("error: cannot start node {}: {e}", node.name));
                 stop_all(&mut procs, &mut rx).await;
                 return ExitCode::FAILURE;
             }
-        };
-        let log = Arc::new(Mutex::new(VecDeque::new()));
-        if let Some(out) = child.stdout.take() {
-            let (events, name) = (events.clone(), node.name.clone());
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(out).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if line.starts_with(READY_MARKER) {
-                        let _ = events.send(Event::Ready(name.clone()));
-                    }
-                }
-            });
         }
-        if let Some(err) = child.stderr.take() {
-            let (log, name, progress) = (log.clone(), node.name.clone(), progress.clone());
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(err).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    progress.suspend(|| eprintln!("[{name}] {line}"));
-                    let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
-                    if log.len() == KEPT_LINES {
-                        log.pop_front();
-                    }
-                    log.push_back(line);
-                }
-            });
-        }
-        let pid = child.id();
-        let (events, name) = (events.clone(), node.name.clone());
-        tokio::spawn(async move {
-            let status = match child.wait().await {
-                Ok(s) => s.to_string(),
-                Err(e) => e.to_string(),
-            };
-            let _ = events.send(Event::Exited(name, status));
-        });
-        procs.push(Proc {
-            name: node.name.clone(),
-            pid,
-            running: true,
-            log,
-        });
     }
 
     // Start-up: every node ready, or the first failure stops the rest.
@@ -169,16 +213,17 @@ pub async fn run(config_path: &Path) -> ExitCode {
                         bar.finish_with_message("ready");
                     }
                 }
-                Some(Event::Exited(name, status)) => {
+                Some(Event::Exited(name, status, _)) => {
                     mark_exited(&mut procs, &name);
                     // Give the stderr reader a moment to drain the last lines.
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    let reason = failure_reason(&procs, &name, &status);
+                    let reason = failure_reason(&procs, &name, &describe(&status));
                     progress.clear().ok();
                     eprintln!("error: node {name} failed to start: {reason}");
                     stop_all(&mut procs, &mut rx).await;
                     return ExitCode::FAILURE;
                 }
+                Some(Event::Restart(_)) => {}
                 None => return ExitCode::FAILURE,
             },
             _ = &mut deadline => {
@@ -219,19 +264,45 @@ pub async fn run(config_path: &Path) -> ExitCode {
         admins.join(",")
     );
 
-    // Serving: forward logs until a signal; report nodes that exit.
+    // Serving: forward logs until a signal; start dead nodes again.
+    let policy = config.supervision.policy("node");
     loop {
         tokio::select! {
             event = rx.recv() => match event {
-                Some(Event::Exited(name, status)) => {
-                    mark_exited(&mut procs, &name);
-                    eprintln!("warning: node {name} exited ({status})");
-                    if procs.iter().all(|p| !p.running) {
+                Some(Event::Exited(name, status, start)) => {
+                    let Some(p) = procs.iter_mut().find(|p| p.name == name) else { continue };
+                    if p.restarts != start {
+                        continue; // an earlier process of the node, already replaced
+                    }
+                    p.running = false;
+                    let how = describe(&status);
+                    if status.as_ref().is_ok_and(ExitStatus::success) {
+                        eprintln!("warning: node {name} exited ({how}): it drained; not restarting it");
+                    } else {
+                        schedule_restart(p, &policy, &how, &launcher.events);
+                    }
+                    if procs.iter().all(|p| !p.running && p.recent.is_empty()) {
                         eprintln!("error: every node has exited");
                         return ExitCode::FAILURE;
                     }
                 }
-                Some(Event::Ready(_)) => {}
+                Some(Event::Restart(name)) => {
+                    let Some(i) = procs.iter().position(|p| p.name == name) else { continue };
+                    let restarts = procs[i].restarts + 1;
+                    match launcher.spawn(&name, restarts) {
+                        Ok(mut fresh) => {
+                            eprintln!("restarting node {name} (process restart {restarts})");
+                            fresh.recent = std::mem::take(&mut procs[i].recent);
+                            procs[i] = fresh;
+                        }
+                        Err(e) => eprintln!("error: cannot restart node {name}: {e}"),
+                    }
+                }
+                Some(Event::Ready(name)) => {
+                    if let Some(p) = procs.iter().find(|p| p.name == name && p.restarts > 0) {
+                        eprintln!("node {name} is back (process restart {})", p.restarts);
+                    }
+                }
                 None => return ExitCode::FAILURE,
             },
             _ = signals.recv() => {
@@ -241,6 +312,49 @@ pub async fn run(config_path: &Path) -> ExitCode {
             }
         }
     }
+}
+
+/// A node's process died: start it again after a growing pause, unless it died more than
+/// the policy allows within its window (then it stays down, and `recent` is cleared).
+fn schedule_restart(
+    p: &mut Proc,
+    policy: &RestartPolicy,
+    how: &str,
+    events: &mpsc::UnboundedSender<Event>,
+) {
+    let now = Instant::now();
+    while p
+        .recent
+        .front()
+        .is_some_and(|t| now.duration_since(*t) > policy.within)
+    {
+        p.recent.pop_front();
+    }
+    if p.recent.len() >= policy.max_restarts as usize {
+        eprintln!(
+            "error: node {} died {} times within {:?} (it died again: {how}); not restarting it \
+             ([supervision.node] allows {})",
+            p.name,
+            p.recent.len() + 1,
+            policy.within,
+            policy.max_restarts
+        );
+        p.recent.clear();
+        return;
+    }
+    let pause = RESTART_PAUSE
+        .saturating_mul(1 << p.recent.len().min(16))
+        .min(RESTART_PAUSE_MAX);
+    eprintln!(
+        "warning: node {} died ({how}); starting it again in {pause:?}",
+        p.name
+    );
+    p.recent.push_back(now);
+    let (events, name) = (events.clone(), p.name.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(pause).await;
+        let _ = events.send(Event::Restart(name));
+    });
 }
 
 fn mark_exited(procs: &mut [Proc], name: &str) {
@@ -280,8 +394,12 @@ async fn stop_all(procs: &mut [Proc], rx: &mut mpsc::UnboundedReceiver<Event>) {
     while procs.iter().any(|p| p.running) {
         tokio::select! {
             event = rx.recv() => match event {
-                Some(Event::Exited(name, _)) => mark_exited(procs, &name),
-                Some(Event::Ready(_)) => {}
+                Some(Event::Exited(name, _, start)) => {
+                    if procs.iter().any(|p| p.name == name && p.restarts == start) {
+                        mark_exited(procs, &name);
+                    }
+                }
+                Some(Event::Ready(_) | Event::Restart(_)) => {}
                 None => break,
             },
             _ = &mut deadline => {

@@ -96,3 +96,20 @@ async fn run_chaos(extra: &str, secs: u64) {
     eprintln!("history: {verdict}");
     assert!(check.status.success(), "history violations: {verdict}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_without_a_cluster_fails_at_once_naming_the_router() {
+    let c = ClusterDir::new(&[("router", "router"), ("p0", "prefill")], "");
+    c.credentials(&c.config).await;
+    let start = std::time::Instant::now();
+    let out = duet(&["chaos", "--config", path_str(&c.config), "--duration", "60"]).await;
+    let took = start.elapsed();
+    assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+    let url = format!("http://127.0.0.1:{}", c.http);
+    assert!(
+        out.stderr.contains("no router answers") && out.stderr.contains(&url),
+        "{}",
+        out.stderr
+    );
+    assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+}

@@ -108,3 +108,59 @@ async fn stopped_actor_stays_stopped() {
         Some((0, "stopped".into()))
     );
 }
+
+/// The node's entry in `duet tree --json`: its pid and process restarts, once it answers.
+async fn node_process(c: &ClusterDir, node: &str) -> Option<(u64, u64)> {
+    let tree = tree_json(&c.config).await;
+    let n = tree.as_array()?.iter().find(|n| n["node"] == node)?;
+    Some((n["pid"].as_u64()?, n["process_restarts"].as_u64()?))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn duet_up_restarts_a_node_process_that_died_within_its_intensity() {
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill")],
+        "[supervision.node]\nmax_restarts = 1\nwithin_secs = 600\n",
+    );
+    let _up = Running::up(&c.config).await;
+    let (pid, restarts) = poll("p0 in the tree", Duration::from_secs(30), || {
+        node_process(&c, "p0")
+    })
+    .await;
+    assert_eq!(restarts, 0);
+    let sigkill = |pid: u64| {
+        let pid = nix::unistd::Pid::from_raw(pid as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("SIGKILL p0");
+    };
+    sigkill(pid);
+    let (again, restarts) = poll("p0 started again", Duration::from_secs(60), || async {
+        node_process(&c, "p0").await.filter(|(p, _)| *p != pid)
+    })
+    .await;
+    assert_eq!(restarts, 1, "duet tree shows the process restart");
+    let text = duet(&["tree", "--config", path_str(&c.config)]).await;
+    assert!(
+        text.stdout
+            .contains("p0 (prefill, up, process restarted once)"),
+        "{}",
+        text.stdout
+    );
+    // A second death within the window exceeds the intensity: p0 stays down, and the rest
+    // of the cluster keeps serving.
+    sigkill(again);
+    poll("p0 down", Duration::from_secs(30), || async {
+        node_process(&c, "p0").await.is_none().then_some(())
+    })
+    .await;
+    // Past the longest restart pause (5 s) with room to spare, it has not come back.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(
+        node_process(&c, "p0").await,
+        None,
+        "restarted past its intensity"
+    );
+    assert!(
+        node_process(&c, "router").await.is_some(),
+        "the router serves on"
+    );
+}

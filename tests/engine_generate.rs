@@ -129,3 +129,36 @@ async fn bad_model_files_are_named_errors() {
     .await;
     assert!(out.stderr.contains("cannot read"), "{}", out.stderr);
 }
+
+#[tokio::test]
+async fn output_into_a_closed_pipe_ends_quietly() {
+    // `duet generate ... | head -c 1`: the reader goes away before the text is printed.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    let out = duet(&["tiny-model", "--out", path_str(&model)]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let mut child = tokio::process::Command::new(duet_bin())
+        .args([
+            "generate",
+            "--model",
+            path_str(&model),
+            "--prompt-ids",
+            "5,6,7",
+        ])
+        .args(["--max-tokens", "32", "--ignore-eos", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("duet generate");
+    drop(child.stdout.take()); // the reader is gone
+    let out = child.wait_with_output().await.expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // Ended by SIGPIPE, as Unix tools are (or cleanly, had it printed nothing).
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        out.status.signal() == Some(13) || out.status.success(),
+        "{:?}: {stderr}",
+        out.status
+    );
+}

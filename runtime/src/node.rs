@@ -33,6 +33,17 @@ use crate::supervisor::{ChildSpec, Supervisor, SupervisorArgs, SupervisorMsg};
 
 /// The first word of the line a node prints on stdout once it serves; `duet up` waits for it.
 pub const READY_MARKER: &str = "node-ready";
+/// How many times `duet up` restarted this node's process after it died (set by `duet up` in
+/// the environment of a restarted node; shown by `duet tree`).
+pub const PROCESS_RESTARTS_ENV: &str = "DUET_NODE_RESTARTS";
+
+/// This process's restarts by `duet up` (see [`PROCESS_RESTARTS_ENV`]).
+pub fn process_restarts() -> u32 {
+    std::env::var(PROCESS_RESTARTS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
 /// How long a draining node waits for its actors to stop.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 

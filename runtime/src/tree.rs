@@ -57,6 +57,12 @@ pub struct NodeTree {
     /// Its root supervisor, when reachable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub root: Option<ActorInfo>,
+    /// The node process's id on its host, when reachable (`duet chaos --pause/--crash`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// Times `duet up` restarted the node's process after it died.
+    #[serde(default)]
+    pub process_restarts: u32,
 }
 
 /// The `limit` known paths closest to `wanted` (edit distance), for "did you mean" errors.
@@ -83,7 +89,15 @@ pub fn render(nodes: &[NodeTree]) -> String {
     for n in nodes {
         match &n.root {
             Some(root) => {
-                out.push_str(&format!("{} ({}, {})\n", n.node, n.role, n.status));
+                let restarts = match n.process_restarts {
+                    0 => String::new(),
+                    1 => ", process restarted once".to_string(),
+                    r => format!(", process restarted {r} times"),
+                };
+                out.push_str(&format!(
+                    "{} ({}, {}{restarts})\n",
+                    n.node, n.role, n.status
+                ));
                 render_actor(root, "", true, &mut out);
             }
             None => out.push_str(&format!(

@@ -109,6 +109,8 @@ async fn node_tree(state: &AdminState) -> Result<NodeTree, Response> {
         status: "up".to_string(),
         error: None,
         root: Some(root),
+        pid: Some(std::process::id()),
+        process_restarts: crate::node::process_restarts(),
     })
 }
 

@@ -34,6 +34,8 @@ pub const ACTOR_KINDS: &[&str] = &[
     "bootstrap",
     "kv_sender",
     "kv_receiver",
+    // Not an actor: a node process under `duet up`, restarted when it dies.
+    "node",
 ];
 
 /// Largest `max_restarts` accepted; beyond this a crash loop is no longer a policy.
