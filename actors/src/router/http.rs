@@ -358,6 +358,43 @@ struct Generation {
     last_token: Option<std::time::Instant>,
 }
 
+/// Starts an attempt. While no worker can take it (none ready, a link down or reconnecting:
+/// a worker restarting, a node being started again) it waits and asks again, free, until the
+/// request's `deadline`: a client would rather wait out a restart than get a 503. A start a
+/// worker refused spends one of `budget` (the request may be what it refuses). Pauses grow
+/// from 100 ms to 1 s.
+async fn start_attempt(
+    shared: &Arc<RouterShared>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    resume: Resume,
+    placement: &Placement,
+    budget: &mut usize,
+    deadline: std::time::Instant,
+) -> Result<Started, String> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let e = match shared
+            .start(prompt.to_vec(), params.clone(), resume, placement.clone())
+            .await
+        {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let waiting = e.unavailable && std::time::Instant::now() + pause < deadline;
+        if !waiting {
+            if *budget == 0 {
+                return Err(e.message);
+            }
+            *budget -= 1;
+            metrics::counter!(m::ROUTER_RETRIES).increment(1);
+        }
+        tracing::warn!(error = %e, waiting, "could not start an attempt; trying again");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
 impl Generation {
     async fn start(
         shared: Arc<RouterShared>,
@@ -377,36 +414,25 @@ impl Generation {
             forced: forced.clone(),
             ..Placement::default()
         };
-        // A worker that is restarting refuses for a moment: the first start gets the same
-        // budget as later attempts (a forced pair none), with a short growing pause between.
-        let budget = if forced.is_some() {
+        // The first start gets the same budget of refusals as later attempts (a forced pair
+        // none).
+        let mut budget = if forced.is_some() {
             0
         } else {
             shared.settings.retries
         };
-        let mut pause = Duration::from_millis(100);
-        let mut tries = 0;
-        let started = loop {
-            match shared
-                .start(
-                    prompt.clone(),
-                    params.clone(),
-                    Resume::default(),
-                    placement.clone(),
-                )
-                .await
-            {
-                Ok(s) => break s,
-                Err(e) if tries < budget => {
-                    tries += 1;
-                    tracing::warn!(error = %e, tries, "could not start; trying again");
-                    metrics::counter!(m::ROUTER_RETRIES).increment(1);
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
-                }
-                Err(e) => return Err(ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e)),
-            }
-        };
+        let deadline = arrived + shared.settings.request_timeout;
+        let started = start_attempt(
+            &shared,
+            &prompt,
+            &params,
+            Resume::default(),
+            &placement,
+            &mut budget,
+            deadline,
+        )
+        .await
+        .map_err(|e| ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e))?;
         shared
             .open
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -499,43 +525,29 @@ impl Generation {
             prefer_prefill: if migrating { old.prefill.clone() } else { None },
             avoid_prefill: self.stalled_on.clone(),
         };
-        // A start that fails (a worker membership has not yet marked down, a link that just
-        // dropped) spends an attempt and is tried again after a growing pause, as the first
-        // start is: the failure that ended the last attempt is often what the next start
-        // runs into.
-        let mut pause = Duration::from_millis(100);
-        loop {
-            let started = self
-                .shared
-                .start(
-                    prompt.clone(),
-                    self.params.clone(),
-                    resume,
-                    placement.clone(),
-                )
-                .await;
-            match started {
-                Ok(s) => {
-                    if migrating {
-                        metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started")
-                            .increment(1);
-                    } else {
-                        metrics::counter!(m::ROUTER_RETRIES).increment(1);
-                    }
-                    self.tried
-                        .extend(s.prefill.iter().chain([&s.worker]).cloned());
-                    self.current = Some(s);
-                    return Ok(());
-                }
-                Err(e) if self.attempts_left > 0 => {
-                    self.attempts_left -= 1;
-                    tracing::warn!(error = %e, "could not start another attempt; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause *= 2;
-                }
-                Err(e) => return Err(format!("{error}; another attempt failed: {e}")),
-            }
+        // The failure that ended the last attempt (a worker down) is often what the next
+        // start runs into: it waits for a worker as the first start does.
+        let deadline = self.arrived + self.shared.settings.request_timeout;
+        let started = start_attempt(
+            &self.shared,
+            &prompt,
+            &self.params,
+            resume,
+            &placement,
+            &mut self.attempts_left,
+            deadline,
+        )
+        .await
+        .map_err(|e| format!("{error}; another attempt failed: {e}"))?;
+        if migrating {
+            metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started").increment(1);
+        } else {
+            metrics::counter!(m::ROUTER_RETRIES).increment(1);
         }
+        self.tried
+            .extend(started.prefill.iter().chain([&started.worker]).cloned());
+        self.current = Some(started);
+        Ok(())
     }
 
     /// The next item; `Err` ends the request with that cause.

@@ -24,6 +24,7 @@ use duet_engine::scheduler::Resume;
 use duet_engine::tokenizer::Tokenizer;
 use duet_engine::{SamplingParams, fetch};
 use duet_runtime::context::NodeContext;
+use duet_runtime::link::LinkError;
 use duet_runtime::membership::MembershipEvent;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
@@ -203,7 +204,7 @@ impl RouterShared {
         params: SamplingParams,
         resume: Resume,
         placement: Placement,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, StartError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let shared = self.clone();
         let task = async move {
@@ -216,8 +217,10 @@ impl RouterShared {
             task,
             tracing::Span::current(),
         ));
-        rx.await
-            .map_err(|_| "router: the attempt's start was lost".to_string())?
+        rx.await.map_err(|_| StartError {
+            unavailable: false,
+            message: "router: the attempt's start was lost".to_string(),
+        })?
     }
 
     async fn start_now(
@@ -226,14 +229,20 @@ impl RouterShared {
         params: &SamplingParams,
         resume: Resume,
         placement: &Placement,
-    ) -> Result<Started, String> {
-        let (worker, prefill) = self.route(
-            prompt.len(),
-            &placement.exclude,
-            placement.forced.as_deref(),
-            placement.prefer_prefill.as_deref(),
-            &placement.avoid_prefill,
-        )?;
+    ) -> Result<Started, StartError> {
+        let (worker, prefill) = self
+            .route(
+                prompt.len(),
+                &placement.exclude,
+                placement.forced.as_deref(),
+                placement.prefer_prefill.as_deref(),
+                &placement.avoid_prefill,
+            )
+            .map_err(|message| StartError {
+                // No worker ready; a forced pair that is not a pair is the client's error.
+                unavailable: placement.forced.is_none(),
+                message,
+            })?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
         span.record("request", request);
@@ -284,7 +293,9 @@ impl RouterShared {
                     self.ask(&p.node, kinds::PREFILL, BOOTSTRAP_SERVICE, body)
                         .await
                         .map(|_| ())
-                        .map_err(|e| format!("prefill worker {}: {e}", p.node))
+                        .map_err(|e| {
+                            StartError::from_link(e, &format!("prefill worker {}", p.node))
+                        })
                 }
                 None => Ok(()),
             }
@@ -300,7 +311,14 @@ impl RouterShared {
             self.lock_pending().remove(&request);
             return Err(e);
         }
-        match answer.and_then(|b| wire::decode_body::<Accepted>(&b).map_err(|e| e.to_string())) {
+        let answer = answer.map_err(|e| StartError::from_link(e, &format!("worker {worker}")));
+        let accepted = answer.and_then(|b| {
+            wire::decode_body::<Accepted>(&b).map_err(|e| StartError {
+                unavailable: false,
+                message: format!("worker {worker}: a malformed answer: {e}"),
+            })
+        });
+        match accepted {
             Ok(accepted) => {
                 if let Some(p) = self.lock_pending().get_mut(&request) {
                     p.incarnation = Some(accepted.incarnation);
@@ -327,7 +345,7 @@ impl RouterShared {
                             .await;
                     }
                 }
-                Err(format!("worker {worker} refused the request: {e}"))
+                Err(e)
             }
         }
     }
@@ -338,14 +356,12 @@ impl RouterShared {
         kind: &str,
         service: &str,
         body: Vec<u8>,
-    ) -> Result<Vec<u8>, String> {
-        match self.ctx.links.get(node) {
-            Ok(link) => link
-                .request(kind, ROUTER_SERVICE, service, body, Duration::from_secs(10))
-                .await
-                .map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        }
+    ) -> Result<Vec<u8>, LinkError> {
+        self.ctx
+            .links
+            .get(node)?
+            .request(kind, ROUTER_SERVICE, service, body, Duration::from_secs(10))
+            .await
     }
 
     /// Tells the worker to drop a request (client gone) and forgets it here.
@@ -427,6 +443,37 @@ struct Placement {
     /// Prefill workers never to use for this request (an attempt stalled on them: the same
     /// pair would stall again). Without another, decode prefills the prompt itself.
     avoid_prefill: Vec<String>,
+}
+
+/// Why an attempt could not start.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub(crate) struct StartError {
+    /// No worker could take it now (none ready, a link down or dropped, no answer in time):
+    /// not the request's doing, and worth waiting for; otherwise a worker refused it.
+    pub unavailable: bool,
+    /// Names the worker and the cause.
+    pub message: String,
+}
+
+impl StartError {
+    /// A link failure asking `who`.
+    fn from_link(e: LinkError, who: &str) -> StartError {
+        let unavailable = matches!(
+            e,
+            LinkError::NotConnected { .. }
+                | LinkError::Disconnected { .. }
+                | LinkError::DeadlineExceeded { .. }
+        );
+        let message = match e {
+            LinkError::Remote { message, .. } => format!("{who} refused the request: {message}"),
+            other => format!("{who}: {other}"),
+        };
+        StartError {
+            unavailable,
+            message,
+        }
+    }
 }
 
 struct Started {
