@@ -36,11 +36,12 @@ for p, text in results:
 print("32 concurrent streams match their single runs")
 
 # Disconnect mid-stream: read two chunks, then close the connection.
-# Long enough (3000 tokens, EOS ignored) that it would still be running when the caller checks
-# the pools, had the disconnect not cancelled it.
+# Long enough (2000 tokens, EOS ignored) that it would still be running when the caller checks
+# the pools, had the disconnect not cancelled it; short enough for the test's KV pool (2560
+# tokens: a longer sequence is refused up front, since it could never finish).
 s = client.completions.create(
-    model=model, prompt="Count slowly: one, two,", max_tokens=3000, temperature=0, stream=True,
-    extra_body={"ignore_eos": True, "min_tokens": 3000},
+    model=model, prompt="Count slowly: one, two,", max_tokens=2000, temperature=0, stream=True,
+    extra_body={"ignore_eos": True, "min_tokens": 2000},
 )
 it = iter(s)
 next(it)

@@ -360,9 +360,9 @@ struct Generation {
 
 /// Starts an attempt. While no worker can take it (none ready, a link down or reconnecting:
 /// a worker restarting, a node being started again) it waits and asks again, free, until the
-/// request's `deadline`: a client would rather wait out a restart than get a 503. A start a
-/// worker refused spends one of `budget` (the request may be what it refuses). Pauses grow
-/// from 100 ms to 1 s.
+/// request's `deadline`: a client would rather wait out a restart than get a 503 (a pair the
+/// client forced is not waited for). A start a worker refused spends one of `budget` (the
+/// request may be what it refuses). Pauses grow from 100 ms to 1 s.
 async fn start_attempt(
     shared: &Arc<RouterShared>,
     prompt: &[u32],
@@ -381,7 +381,10 @@ async fn start_attempt(
             Ok(s) => return Ok(s),
             Err(e) => e,
         };
-        let waiting = e.unavailable && std::time::Instant::now() + pause < deadline;
+        // A pair the client named is not waited for: it asked for those workers, now.
+        let waiting = e.unavailable
+            && placement.forced.is_none()
+            && std::time::Instant::now() + pause < deadline;
         if !waiting {
             if *budget == 0 {
                 return Err(e.message);
