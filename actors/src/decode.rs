@@ -1109,20 +1109,9 @@ impl DecodeCore {
         let Some(t) = self.transfers.remove(&key) else {
             return;
         };
-        if self.checksum
-            && let Err(e) = self.verify(&t, &d)
-        {
-            // Corrupted or incomplete: never published. Prefill fenced its writes before it
-            // sent the done, so the pages are drained and free at once; the router retries.
-            metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
-            tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
-            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
-            self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
-            return;
-        }
-        // Revoked first (as everywhere): no write of the attempt can be landing once the
-        // pages change hands. Prefill fenced before its done, so no claim is held; one that
-        // is means a writer still copies into these pages: never published.
+        // Revoked first (as everywhere): no write of the attempt can land once the pages are
+        // checked and change hands. Prefill fenced before its done, so no claim is held; one
+        // that is means a writer still copies into these pages: never published.
         if self.grants.revoke(t.attempt) == Revocation::Busy {
             tracing::error!(
                 room = d.room,
@@ -1136,6 +1125,17 @@ impl DecodeCore {
                     .into(),
                 items,
             );
+            return;
+        }
+        if self.checksum
+            && let Err(e) = self.verify(&t, &d)
+        {
+            // Corrupted or incomplete: never published. The grant is revoked, so the pages
+            // are free at once; the router retries.
+            metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
+            tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
+            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
+            self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
             return;
         }
         let alloc = &mut self.runner.engine.pool.alloc;
