@@ -496,10 +496,15 @@ impl DecodeState {
                     }
                     Err(e) => Err(e),
                 };
+                // So is one whose worker is being restarted (nothing there to answer yet).
                 match sent {
-                    Err(LinkError::NotConnected { .. } | LinkError::Disconnected { .. })
-                        if tokio::time::Instant::now() < deadline =>
-                    {
+                    Err(
+                        LinkError::NotConnected { .. }
+                        | LinkError::Disconnected { .. }
+                        | LinkError::Remote {
+                            unavailable: true, ..
+                        },
+                    ) if tokio::time::Instant::now() < deadline => {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                     other => break other.map_err(|e| e.to_string()),

@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 use ractor::{ActorId, ActorRef, Message};
 use tokio::sync::oneshot;
 
-use crate::wire::Envelope;
+use crate::wire::{Envelope, RemoteFailure};
 
 /// An envelope delivered to a local actor, with the way to answer it if it is a request.
 #[derive(Debug)]
@@ -25,11 +25,11 @@ pub struct Inbound {
 
 /// The answer slot of one request.
 #[derive(Debug)]
-pub struct Reply(oneshot::Sender<Result<Vec<u8>, String>>);
+pub struct Reply(oneshot::Sender<Result<Vec<u8>, RemoteFailure>>);
 
 impl Reply {
     /// A reply slot and the receiver the link waits on.
-    pub fn channel() -> (Reply, oneshot::Receiver<Result<Vec<u8>, String>>) {
+    pub fn channel() -> (Reply, oneshot::Receiver<Result<Vec<u8>, RemoteFailure>>) {
         let (tx, rx) = oneshot::channel();
         (Reply(tx), rx)
     }
@@ -42,7 +42,18 @@ impl Reply {
 
     /// Answers with a failure the requester sees as a remote error.
     pub fn fail(self, message: impl Into<String>) {
-        let _ = self.0.send(Err(message.into()));
+        let _ = self.0.send(Err(RemoteFailure {
+            message: message.into(),
+            unavailable: false,
+        }));
+    }
+
+    /// Answers that nothing could take the request now (see [`RemoteFailure::unavailable`]).
+    fn unavailable(self, message: impl Into<String>) {
+        let _ = self.0.send(Err(RemoteFailure {
+            message: message.into(),
+            unavailable: true,
+        }));
     }
 }
 
@@ -107,7 +118,7 @@ impl Services {
         };
         drop(map);
         if let Some(reply) = back.and_then(|b| b.reply) {
-            reply.fail(error.to_string());
+            reply.unavailable(error.to_string());
         }
         Err(error)
     }

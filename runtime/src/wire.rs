@@ -57,6 +57,10 @@ pub enum Flow {
 pub struct RemoteFailure {
     /// Human-readable cause.
     pub message: String,
+    /// Nothing was there to take the request: no actor under its target, or one being
+    /// restarted. Asking again shortly is likely to work; nothing refused the request itself.
+    #[serde(default)]
+    pub unavailable: bool,
 }
 
 impl Envelope {

@@ -34,7 +34,7 @@
 
 #![allow(unsafe_code)] // the mapping and fcntl; the safety argument is on each `unsafe` block
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +44,7 @@ use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
 
 use crate::ledger::AttemptKey;
+use crate::shm::{map_shared, shm_path};
 
 /// Bytes per slot.
 const SLOT_BYTES: usize = 8;
@@ -175,60 +176,30 @@ enum Lock {
     Release,
 }
 
-fn path_of(name: &str) -> PathBuf {
-    PathBuf::from("/dev/shm").join(format!("duet-{name}"))
-}
-
 impl ClaimTable {
     /// Creates a table of `slots` empty slots named `name` (under `/dev/shm`, removed when
     /// this owner drops).
     pub fn create(name: &str, slots: usize) -> Result<ClaimTable, ClaimError> {
-        let path = path_of(name);
-        let io = |source| ClaimError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io)?;
-        file.set_len((slots.max(1) * SLOT_BYTES) as u64)
-            .map_err(io)?;
-        // SAFETY: a file we just created; every access to its bytes is through atomics.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
-        Ok(ClaimTable {
-            path,
-            file,
-            map,
-            slots,
-            owner: true,
-        })
+        Self::map(name, Some(slots.max(1) * SLOT_BYTES))
     }
 
     /// Opens the table another side created.
     pub fn open(name: &str) -> Result<ClaimTable, ClaimError> {
-        let path = path_of(name);
-        let io = |source| ClaimError::Io {
+        Self::map(name, None)
+    }
+
+    fn map(name: &str, create: Option<usize>) -> Result<ClaimTable, ClaimError> {
+        let path = shm_path(name);
+        let (file, map) = map_shared(&path, create).map_err(|source| ClaimError::Io {
             path: path.display().to_string(),
             source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io)?;
-        // SAFETY: a claim table: its creator fixed its size, and every access to its bytes
-        // is through atomics.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
-        let slots = map.len() / SLOT_BYTES;
+        })?;
         Ok(ClaimTable {
             path,
             file,
+            slots: map.len() / SLOT_BYTES,
             map,
-            slots,
-            owner: false,
+            owner: create.is_some(),
         })
     }
 

@@ -8,8 +8,8 @@
 
 #![allow(unsafe_code)] // file mappings; the safety argument is on each `unsafe` block
 
-use std::fs::OpenOptions;
-use std::path::PathBuf;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
 
 use memmap2::MmapMut;
 
@@ -55,8 +55,27 @@ impl std::fmt::Debug for ShmRegion {
     }
 }
 
-fn shm_path(name: &str) -> PathBuf {
+pub(crate) fn shm_path(name: &str) -> PathBuf {
     PathBuf::from("/dev/shm").join(format!("duet-{name}"))
+}
+
+/// Maps the shared-memory file at `path`: created with `len` zeroed bytes (`Some`: this
+/// process owns it; it must not exist yet), or opened as its creator made it.
+pub(crate) fn map_shared(path: &Path, len: Option<usize>) -> std::io::Result<(File, MmapMut)> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(true);
+    if len.is_some() {
+        options.create_new(true);
+    }
+    let file = options.open(path)?;
+    if let Some(len) = len {
+        file.set_len(len as u64)?;
+    }
+    // SAFETY: a Duet file under /dev/shm is shared on purpose, and its users agree on who
+    // touches which bytes when (a pool: the ledger's grants and claims; a claim table: atomics
+    // only); its size is fixed by its creator before anyone else can open it.
+    let map = unsafe { MmapMut::map_mut(&file) }?;
+    Ok((file, map))
 }
 
 impl ShmRegion {
@@ -88,20 +107,10 @@ impl ShmRegion {
     /// Creates a zeroed region of `len` bytes named `name` (removed when this owner drops).
     pub fn create(name: &str, len: usize) -> Result<ShmRegion, ShmError> {
         let path = shm_path(name);
-        let io = |source| ShmError::Io {
+        let (_, mut map) = map_shared(&path, Some(len)).map_err(|source| ShmError::Io {
             path: path.display().to_string(),
             source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(io)?;
-        file.set_len(len as u64).map_err(io)?;
-        // SAFETY: we just created the file (create_new), so nothing else has it mapped with
-        // other expectations; other processes map it only to write pages the ledger grants.
-        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        })?;
         Ok(ShmRegion {
             path,
             ptr: map.as_mut_ptr(),
@@ -113,18 +122,10 @@ impl ShmRegion {
     /// Maps an existing region created by another process.
     pub fn open(name: &str) -> Result<ShmRegion, ShmError> {
         let path = shm_path(name);
-        let io = |source| ShmError::Io {
+        let (_, mut map) = map_shared(&path, None).map_err(|source| ShmError::Io {
             path: path.display().to_string(),
             source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(io)?;
-        // SAFETY: the region is a Duet pool file; its size is fixed by its creator and every
-        // writer keeps to the byte ranges the ledger grants it.
-        let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(io)?;
+        })?;
         Ok(ShmRegion {
             path,
             ptr: map.as_mut_ptr(),

@@ -464,6 +464,10 @@ impl StartError {
             LinkError::NotConnected { .. }
                 | LinkError::Disconnected { .. }
                 | LinkError::DeadlineExceeded { .. }
+                | LinkError::Remote {
+                    unavailable: true,
+                    ..
+                }
         );
         let message = match e {
             LinkError::Remote { message, .. } => format!("{who} refused the request: {message}"),

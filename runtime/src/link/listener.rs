@@ -158,7 +158,7 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
                 tokio::spawn(async move {
                     let (flow, body) = match tokio::time::timeout(deadline, answer).await {
                         Ok(Ok(Ok(body))) => (Flow::Response, body),
-                        Ok(Ok(Err(message))) => (Flow::Failure, failure(message)),
+                        Ok(Ok(Err(refused))) => (Flow::Failure, wire::encode_body(&refused)),
                         Ok(Err(_)) => (
                             Flow::Failure,
                             failure(format!("`{target}` dropped the request `{kind}`")),
@@ -181,7 +181,10 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
 }
 
 fn failure(message: String) -> Vec<u8> {
-    wire::encode_body(&RemoteFailure { message })
+    wire::encode_body(&RemoteFailure {
+        message,
+        unavailable: false,
+    })
 }
 
 fn reply_to(from: &str, kind: &str, request_id: u64, body: Vec<u8>, ctx: &NodeContext) -> Envelope {

@@ -110,6 +110,9 @@ pub enum LinkError {
         kind: String,
         /// The failure it reported.
         message: String,
+        /// Nothing on the peer could take the request (its target is not running: being
+        /// restarted); asking again shortly is likely to work.
+        unavailable: bool,
     },
     /// The peer refused our hello.
     #[error("`{peer}` refused the link: {reason}")]
@@ -343,13 +346,20 @@ impl LinkHandle {
         };
         match reply.flow {
             Flow::Response => Ok(reply.body),
-            _ => Err(LinkError::Remote {
-                peer: self.peer.clone(),
-                kind: kind.to_string(),
-                message: wire::decode_body::<RemoteFailure>(&reply.body)
-                    .map(|f| f.message)
-                    .unwrap_or_else(|e| format!("undecodable failure: {e}")),
-            }),
+            _ => {
+                let failure = wire::decode_body::<RemoteFailure>(&reply.body).unwrap_or_else(|e| {
+                    RemoteFailure {
+                        message: format!("undecodable failure: {e}"),
+                        unavailable: false,
+                    }
+                });
+                Err(LinkError::Remote {
+                    peer: self.peer.clone(),
+                    kind: kind.to_string(),
+                    message: failure.message,
+                    unavailable: failure.unavailable,
+                })
+            }
         }
     }
 
