@@ -745,7 +745,7 @@ async fn duplicated_and_delayed_control_messages_change_nothing() {
         "",
         &[(
             "DUET_FAULT_LINK",
-            "dup=0.2,delay=0.2,delay_ms=150,kinds=decode.;bootstrap.",
+            "dup=0.5,delay=0.2,delay_ms=150,kinds=decode.;bootstrap.",
         )],
     )
     .await;
