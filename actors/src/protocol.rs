@@ -308,6 +308,9 @@ pub enum FailureClass {
     /// worker computed nothing and wrote no KV for it. The same pair would likely stall
     /// again, so a retry (which spends one of `serving.retries`) avoids that prefill worker.
     Stalled,
+    /// The router's own actor restarted under the attempt (its successor takes the request
+    /// over): a retry is free and immediate. Never sent by a worker.
+    RouterRestart,
 }
 
 /// P → D: the prefill failed (its writes, if any, have drained).

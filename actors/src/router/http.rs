@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
+use super::policy::{AfterFailure, AfterStartFailure, AttemptPolicy};
 use super::{Placement, RouterShared, Started};
 use crate::protocol::{FailureClass, TokenItem};
 
@@ -329,25 +330,17 @@ fn params(
     })
 }
 
-/// One request in flight. When its worker fails it gets another attempt (up to
-/// `serving.retries`): before the first token a plain retry on other workers; after it, with
-/// `serving.migration` on, a continuation on another decode worker from the tokens the client
-/// already has, prefilled by the worker that keeps the prompt's KV. Dropping it (client gone)
-/// cancels it on the worker.
+/// One request in flight. When its worker fails it gets another attempt, as its
+/// [`AttemptPolicy`] decides: before the first token a plain retry on other workers; after it,
+/// with `serving.migration` on, a continuation on another decode worker from the tokens the
+/// client already has, prefilled by the worker that keeps the prompt's KV. Dropping it (client
+/// gone) cancels it on the worker.
 struct Generation {
     shared: Arc<RouterShared>,
     prompt: Vec<u32>,
     params: SamplingParams,
     current: Option<Started>,
-    tried: Vec<String>,
-    /// Prefill workers an attempt stalled on (see [`FailureClass::Stalled`]).
-    stalled_on: Vec<String>,
-    /// Attempts left after this one (none for a pair the client forced).
-    attempts_left: usize,
-    /// Tokens the client had when the current attempt started.
-    progress_mark: usize,
-    /// Attempts refused by a restarting service so far.
-    refusals: usize,
+    policy: AttemptPolicy,
     /// Tokens the client has, and the bytes of their text.
     generated: Vec<u32>,
     emitted: usize,
@@ -358,43 +351,41 @@ struct Generation {
     last_token: Option<std::time::Instant>,
 }
 
-/// Starts an attempt. While no worker can take it (none ready, a link down or reconnecting:
-/// a worker restarting, a node being started again) it waits and asks again, free, until the
-/// request's `deadline`: a client would rather wait out a restart than get a 503 (a pair the
-/// client forced is not waited for). A start a worker refused spends one of `budget` (the
-/// request may be what it refuses). Pauses grow from 100 ms to 1 s.
+/// Starts an attempt, asking again while the policy says so: waiting (free) while no worker
+/// can take it, until the request's `deadline`; spending an attempt when a worker refused it.
 async fn start_attempt(
     shared: &Arc<RouterShared>,
     prompt: &[u32],
     params: &SamplingParams,
     resume: Resume,
     placement: &Placement,
-    budget: &mut usize,
+    policy: &mut AttemptPolicy,
     deadline: std::time::Instant,
 ) -> Result<Started, String> {
-    let mut pause = Duration::from_millis(100);
     loop {
         let e = match shared
             .start(prompt.to_vec(), params.clone(), resume, placement.clone())
             .await
         {
-            Ok(s) => return Ok(s),
+            Ok(s) => {
+                policy.started(&s.worker, s.prefill.as_deref());
+                return Ok(s);
+            }
             Err(e) => e,
         };
-        // A pair the client named is not waited for: it asked for those workers, now.
-        let waiting = e.unavailable
-            && placement.forced.is_none()
-            && std::time::Instant::now() + pause < deadline;
-        if !waiting {
-            if *budget == 0 {
-                return Err(e.message);
+        let pause = match policy.start_failed(e.unavailable, std::time::Instant::now(), deadline) {
+            AfterStartFailure::Wait(pause) => {
+                tracing::warn!(error = %e, "no worker can take the request yet; waiting");
+                pause
             }
-            *budget -= 1;
-            metrics::counter!(m::ROUTER_RETRIES).increment(1);
-        }
-        tracing::warn!(error = %e, waiting, "could not start an attempt; trying again");
+            AfterStartFailure::Retry(pause) => {
+                tracing::warn!(error = %e, "could not start an attempt; trying again");
+                metrics::counter!(m::ROUTER_RETRIES).increment(1);
+                pause
+            }
+            AfterStartFailure::GiveUp => return Err(e.message),
+        };
         tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }
 
@@ -413,25 +404,16 @@ impl Generation {
                     .to_string(),
             ));
         }
-        let placement = Placement {
-            forced: forced.clone(),
-            ..Placement::default()
-        };
-        // The first start gets the same budget of refusals as later attempts (a forced pair
-        // none).
-        let mut budget = if forced.is_some() {
-            0
-        } else {
-            shared.settings.retries
-        };
+        let mut policy =
+            AttemptPolicy::new(shared.settings.retries, forced, shared.settings.migration);
         let deadline = arrived + shared.settings.request_timeout;
         let started = start_attempt(
             &shared,
             &prompt,
             &params,
             Resume::default(),
-            &placement,
-            &mut budget,
+            &policy.first_placement(),
+            &mut policy,
             deadline,
         )
         .await
@@ -440,21 +422,7 @@ impl Generation {
             .open
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(Generation {
-            tried: started
-                .prefill
-                .iter()
-                .chain([&started.worker])
-                .cloned()
-                .collect(),
-            // A pair the client forced is not swapped for another behind its back.
-            attempts_left: if forced.is_some() {
-                0
-            } else {
-                shared.settings.retries
-            },
-            progress_mark: 0,
-            refusals: 0,
-            stalled_on: Vec::new(),
+            policy,
             current: Some(started),
             shared,
             prompt,
@@ -471,63 +439,43 @@ impl Generation {
     /// Starts the next attempt after `error` (of `class`) ended the current one; `Err` when
     /// there is none.
     async fn next_attempt(&mut self, error: &str, class: FailureClass) -> Result<(), String> {
-        let migrating = !self.generated.is_empty();
-        // The budget bounds attempts that fail without progress (a request that crashes
-        // every worker it meets). The router's own restart is not the request's failure, and
-        // an attempt that streamed tokens made progress: neither costs an attempt.
-        // A failure of class `Restart` (a service refusing while its actor restarts, a
-        // restart of a KV sender or receiver) is never the request's doing: free too, after a
-        // pause (the restart takes a moment). At most 50 such (5 s): a service that stays down
-        // is a failure like any other.
-        let refused = class == FailureClass::Restart && self.refusals < 50;
-        if refused {
-            self.refusals += 1;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let free = error == super::RESYNC || refused || self.generated.len() > self.progress_mark;
-        if (self.attempts_left == 0 && !free) || (migrating && !self.shared.settings.migration) {
-            return Err(error.to_string());
-        }
-        if !free {
-            self.attempts_left -= 1;
-        }
-        self.progress_mark = self.generated.len();
-        let Some(old) = self.current.take() else {
+        let Some(old) = self.current.as_ref() else {
             return Err(error.to_string());
         };
-        if class == FailureClass::Stalled
-            && let Some(p) = &old.prefill
-        {
-            // Not blindly again: the next attempt goes around the prefill worker that stalled.
-            self.stalled_on.push(p.clone());
+        let decision = self.policy.failed(
+            class,
+            self.generated.len(),
+            &old.worker,
+            old.prefill.as_deref(),
+        );
+        let AfterFailure::Retry {
+            pause,
+            placement,
+            migration,
+        } = decision
+        else {
+            return Err(error.to_string());
+        };
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
         }
-        // The old attempt may still be running (the router restarted, not the worker).
-        self.shared.cancel(old.request);
+        if let Some(old) = self.current.take() {
+            // The old attempt may still be running (the router restarted, not the worker).
+            self.shared.cancel(old.request);
+        }
         let mut prompt = self.prompt.clone();
         prompt.extend_from_slice(&self.generated);
         let resume = Resume {
             generated: self.generated.len(),
             emitted: self.emitted,
         };
-        let kind = if migrating { "migration" } else { "retry" };
+        let kind = if migration { "migration" } else { "retry" };
         tracing::warn!(
             %error,
             kind,
             tokens_sent = resume.generated,
             "starting another attempt"
         );
-        let placement = Placement {
-            // The decode worker that failed is avoided; a continuation goes back to the
-            // prefill worker that keeps the prompt's KV.
-            exclude: if migrating {
-                vec![old.worker.clone()]
-            } else {
-                self.tried.clone()
-            },
-            forced: None,
-            prefer_prefill: if migrating { old.prefill.clone() } else { None },
-            avoid_prefill: self.stalled_on.clone(),
-        };
         // The failure that ended the last attempt (a worker down) is often what the next
         // start runs into: it waits for a worker as the first start does.
         let deadline = self.arrived + self.shared.settings.request_timeout;
@@ -537,18 +485,16 @@ impl Generation {
             &self.params,
             resume,
             &placement,
-            &mut self.attempts_left,
+            &mut self.policy,
             deadline,
         )
         .await
         .map_err(|e| format!("{error}; another attempt failed: {e}"))?;
-        if migrating {
+        if migration {
             metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started").increment(1);
         } else {
             metrics::counter!(m::ROUTER_RETRIES).increment(1);
         }
-        self.tried
-            .extend(started.prefill.iter().chain([&started.worker]).cloned());
         self.current = Some(started);
         Ok(())
     }

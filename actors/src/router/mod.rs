@@ -12,6 +12,7 @@
 
 pub mod http;
 mod openai;
+mod policy;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,8 +35,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
-    ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
+    Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, FailureClass, Generate, LoadReport, PrefillPeer,
+    PrefillRequest, ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -407,7 +408,11 @@ impl RouterShared {
     fn resync(&self) {
         let lost: Vec<(u64, Pending)> = self.lock_pending().drain().collect();
         for (request, p) in lost {
-            let _ = p.tx.send(TokenItem::failed(request, RESYNC.to_string()));
+            let _ = p.tx.send(TokenItem::failed_as(
+                request,
+                RESYNC.to_string(),
+                FailureClass::RouterRestart,
+            ));
             self.send_cancel(p.worker, request);
         }
     }
@@ -432,7 +437,7 @@ impl RouterShared {
 }
 
 /// Where an attempt may go.
-#[derive(Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Placement {
     /// Workers already tried (avoided while there are others).
     exclude: Vec<String>,
