@@ -36,6 +36,7 @@ pub mod prefill;
 pub mod protocol;
 pub mod router;
 pub mod settings;
+pub mod worker;
 
 /// The serving actors a node of `role` runs under its role supervisor.
 pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {

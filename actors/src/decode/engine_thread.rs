@@ -1,0 +1,427 @@
+//! The decode worker's engine thread: its state, its command loop, and the engine steps of
+//! the continuous batch. Everything that touches pages (the scheduler, the prefix cache, the
+//! transfer ledger) lives on this thread, so page bookkeeping needs no locks. The receiving
+//! half of disaggregation (prealloc, transfers, their ends) is in `transfers.rs`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use duet_engine::Runner;
+use duet_gpu::PageId;
+use duet_transport::{AbortReason, Endpoint, Grants, TransferLedger};
+use tokio::sync::mpsc;
+
+use super::{Cmd, stale};
+use crate::outbox::Outbox;
+use crate::protocol::{FailureClass, Generate, LoadReport, PrefillPeer, TokenItem, TransferDone};
+
+/// What prefill must hear of a transfer decode ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Prefill {
+    /// Stop it (decode ended it: a cancel, a deadline, a lost peer, a restart).
+    Stop,
+    /// Nothing: prefill ended it itself (it reported a failure, or sent its done).
+    Ended,
+}
+
+/// A request waiting for pages.
+pub(super) struct Prealloc {
+    pub(super) seq: u64,
+    pub(super) router: String,
+    pub(super) generate: Generate,
+    pub(super) peer: PrefillPeer,
+    pub(super) since: Instant,
+}
+
+/// A request whose KV is on its way.
+pub(super) struct Transfer {
+    pub(super) seq: u64,
+    pub(super) router: String,
+    pub(super) generate: Generate,
+    pub(super) peer: PrefillPeer,
+    pub(super) attempt: u64,
+    pub(super) prefix: Vec<PageId>,
+    pub(super) pages: Vec<PageId>,
+    pub(super) noticed: Instant,
+    /// The last sign of progress: the notice, a chunk written, or prefill's engine stepping
+    /// while it holds the attempt. The transfer deadline counts from here.
+    pub(super) progressed: Instant,
+    pub(super) bytes: u64,
+}
+
+/// The engine thread's state.
+pub(super) struct DecodeCore {
+    pub(super) runner: Runner,
+    pub(super) out: mpsc::UnboundedSender<Vec<(String, TokenItem)>>,
+    pub(super) outbox: Outbox,
+    pub(super) load: Arc<Mutex<LoadReport>>,
+    pub(super) grants: Grants,
+    pub(super) endpoint: Endpoint,
+    pub(super) incarnation: u64,
+    pub(super) threshold: usize,
+    pub(super) transfer_timeout: Duration,
+    /// Check prefill's checksums before publishing.
+    pub(super) checksum: bool,
+    /// How long an abort may go unacknowledged before decode asks again (drain fence).
+    pub(super) drain_fence: Duration,
+    /// How long an abort may stay unproven before decode raises the alarm (the pages stay
+    /// quarantined: time is never proof).
+    pub(super) forced_drain: Duration,
+    pub(super) max_running: usize,
+    pub(super) next_seq: u64,
+    /// Local sequence id -> (router, router's request id), and back.
+    pub(super) owners: HashMap<u64, (String, u64)>,
+    pub(super) seqs: HashMap<(String, u64), u64>,
+    pub(super) ledger: TransferLedger,
+    pub(super) prealloc: VecDeque<Prealloc>,
+    /// By (prefill node, room).
+    pub(super) transfers: HashMap<(String, u64), Transfer>,
+    /// Aborted attempts whose pages are quarantined until their revoke is proven:
+    /// attempt -> (prefill node, room).
+    pub(super) draining: HashMap<u64, (String, u64)>,
+    /// Quarantined attempts already reported as past the backstop.
+    pub(super) stalled: HashSet<u64>,
+    /// Prefill nodes whose hello succeeded.
+    pub(super) ready: HashSet<String>,
+    pub(super) epoch: Instant,
+    pub(super) last_fence_ms: u64,
+    /// Per sequence: its root span and the span of the phase it is in.
+    pub(super) spans: HashMap<u64, (tracing::Span, tracing::Span)>,
+    /// Sequences whose first token was already reported (as a span event).
+    pub(super) first_tokens: HashSet<u64>,
+    /// Fault injection (`DUET_FAULT_HOLD_DONE_MS`): a complete transfer waits this long
+    /// before it is checked and published, so tests can kill decode between the end of a
+    /// transfer and its first decode step.
+    pub(super) hold_done: Duration,
+    pub(super) held: Vec<(Instant, String, TransferDone)>,
+    /// This node's name (for the transfer history).
+    pub(super) node: String,
+    /// Each prefill node's worker incarnation, from its heartbeats.
+    pub(super) prefill_incarnations: HashMap<String, u64>,
+    /// Each prefill node's engine steps, from its last heartbeat that held an attempt of ours.
+    pub(super) prefill_steps: HashMap<String, u64>,
+}
+
+impl DecodeCore {
+    pub(super) fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
+        loop {
+            let idle = self.runner.scheduler.is_idle();
+            let first = if idle {
+                // Nothing to compute: wake for a command, or to check transfer deadlines.
+                match cmds.recv_timeout(Duration::from_millis(200)) {
+                    Ok(c) => Some(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                None
+            };
+            let mut items = Vec::new();
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
+            {
+                if matches!(cmd, Cmd::Shutdown) {
+                    return;
+                }
+                self.command(cmd, &mut items);
+            }
+            self.preallocate(&mut items);
+            self.expire(&mut items);
+            let now = Instant::now();
+            for (_, node, d) in self
+                .held
+                .extract_if(.., |(due, _, _)| *due <= now)
+                .collect::<Vec<_>>()
+            {
+                self.done(node, d, &mut items);
+            }
+            if !self.runner.scheduler.is_idle() {
+                self.step(&mut items);
+            }
+            self.publish_load();
+            if !items.is_empty() && self.out.send(items).is_err() {
+                return;
+            }
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub(super) fn command(&mut self, cmd: Cmd, items: &mut Vec<(String, TokenItem)>) {
+        match cmd {
+            Cmd::Submit {
+                router,
+                generate,
+                traceparent,
+            } => {
+                self.next_seq += 1;
+                let seq = self.next_seq;
+                if self.seqs.contains_key(&(router.clone(), generate.request)) {
+                    return;
+                }
+                let root = tracing::info_span!(
+                    "decode",
+                    request = generate.request,
+                    room = generate.prefill.as_ref().map(|p| p.room),
+                    attempt = tracing::field::Empty,
+                    prompt_tokens = generate.prompt.len(),
+                );
+                duet_runtime::telemetry::follow(&root, traceparent.as_deref());
+                let phase = if generate.prefill.is_some() {
+                    tracing::info_span!(parent: &root, "prealloc", request = generate.request)
+                } else {
+                    tracing::info_span!(
+                        parent: &root,
+                        "decoding",
+                        request = generate.request,
+                        local_prefill = true
+                    )
+                };
+                self.spans.insert(seq, (root, phase));
+                self.owners.insert(seq, (router.clone(), generate.request));
+                self.seqs.insert((router.clone(), generate.request), seq);
+                // A sequence that could never fit (the pool, even alone) is refused now,
+                // rather than left waiting for pages that will never be free.
+                let admissible = self.runner.scheduler.admissible(
+                    generate.prompt.len(),
+                    &generate.params,
+                    generate.resume,
+                    false,
+                );
+                if let (Err(e), Some(peer)) = (&admissible, &generate.prefill) {
+                    Self::drop_bootstrap_half(&self.outbox, peer);
+                    self.fail(seq, format!("decode admission: {e}"), items);
+                    return;
+                }
+                match generate.prefill.clone() {
+                    Some(peer) => self.prealloc.push_back(Prealloc {
+                        seq,
+                        router,
+                        generate,
+                        peer,
+                        since: Instant::now(),
+                    }),
+                    None => self.submit_local(seq, router, generate, items),
+                }
+            }
+            Cmd::Cancel { router, request } => {
+                if let Some(seq) = self.seqs.remove(&(router, request)) {
+                    self.owners.remove(&seq);
+                    if let Some((_, phase)) = self.spans.remove(&seq) {
+                        tracing::info!(parent: &phase, "cancelled by the client");
+                    }
+                    self.abort_seq(seq, AbortReason::ClientCancel);
+                }
+            }
+            Cmd::PeerReady(node) => {
+                self.ready.insert(node);
+            }
+            Cmd::PeerRefused(node, error) => {
+                self.ready.remove(&node);
+                let refused = self.take_prealloc(|p| p.peer.node == node);
+                for p in refused {
+                    self.fail(p.seq, format!("decode prealloc: {error}"), items);
+                    Self::drop_bootstrap_half(&self.outbox, &p.peer);
+                }
+            }
+            Cmd::PeerGone(node, why) => self.lose_peer(&node, &why, false, items),
+            Cmd::PrefillIncarnation(node, incarnation) => {
+                self.prefill_incarnations.insert(node, incarnation);
+            }
+            Cmd::PeerDown(node, why) => self.lose_peer(&node, &why, true, items),
+            Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
+                Some(t) if t.attempt == c.attempt => {
+                    t.bytes = c.bytes;
+                    t.progressed = Instant::now();
+                }
+                _ => stale("chunk"),
+            },
+            Cmd::PrefillProgress {
+                node,
+                steps,
+                holding,
+            } => {
+                let before = self.prefill_steps.insert(node.clone(), steps);
+                if before.is_some_and(|b| steps > b) {
+                    let now = Instant::now();
+                    for t in self.transfers.values_mut() {
+                        if t.peer.node == node && holding.contains(&t.attempt) {
+                            t.progressed = now;
+                        }
+                    }
+                }
+            }
+            Cmd::Done(node, d) if !self.hold_done.is_zero() => {
+                tracing::warn!(
+                    room = d.room,
+                    "fault injection: holding a complete transfer"
+                );
+                self.held.push((Instant::now() + self.hold_done, node, d));
+            }
+            Cmd::Done(node, d) => self.done(node, d, items),
+            Cmd::Failed(node, f) => {
+                if let Some(attempt) = f.attempt {
+                    // P's writes for it have drained: abort then close at once. A failure of
+                    // another attempt in the same room must not take this one with it.
+                    let key = (node.clone(), f.room);
+                    let current = self
+                        .transfers
+                        .get(&key)
+                        .is_some_and(|t| t.attempt == attempt);
+                    if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
+                        self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
+                        self.fail_as(t.seq, f.error, f.class, items);
+                    } else if !self.settle(attempt) {
+                        stale("failed");
+                    }
+                } else {
+                    let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
+                    for p in gone {
+                        self.fail_as(p.seq, f.error.clone(), f.class, items);
+                    }
+                }
+            }
+            Cmd::AbortAck(node, a) => {
+                // Prefill says its writes drained: a reason to ask the grant again now (the
+                // revoke is the proof). Most acknowledgements come after the revoke was
+                // already proven; only one for another peer's attempt is stale.
+                match self.draining.get(&a.attempt) {
+                    Some((n, _)) if *n == node => {
+                        self.settle(a.attempt);
+                    }
+                    Some(_) => stale("abort_ack"),
+                    None => {}
+                }
+            }
+            Cmd::ReceiverRestarted { tcp, carried } => {
+                self.receiver_restarted(tcp, &carried, items);
+            }
+            Cmd::Shutdown => {}
+        }
+    }
+
+    pub(super) fn submit_local(
+        &mut self,
+        seq: u64,
+        router: String,
+        generate: Generate,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        let submitted =
+            self.runner
+                .submit_resumed(seq, generate.prompt, generate.params, generate.resume);
+        if let Err(e) = submitted {
+            self.owners.remove(&seq);
+            self.seqs.remove(&(router.clone(), generate.request));
+            items.push((
+                router,
+                TokenItem::failed(generate.request, format!("decode admission: {e}")),
+            ));
+        }
+    }
+
+    /// Fails a request to its router (if it still has one).
+    pub(super) fn fail(&mut self, seq: u64, error: String, items: &mut Vec<(String, TokenItem)>) {
+        self.fail_as(seq, error, FailureClass::Attempt, items);
+    }
+
+    /// [`fail`](Self::fail) with a failure class.
+    pub(super) fn fail_as(
+        &mut self,
+        seq: u64,
+        error: String,
+        class: FailureClass,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        if let Some((root, phase)) = self.spans.remove(&seq) {
+            tracing::warn!(parent: &phase, %error, "request failed");
+            drop(root);
+        }
+        self.first_tokens.remove(&seq);
+        if let Some((router, request)) = self.owners.remove(&seq) {
+            self.seqs.remove(&(router.clone(), request));
+            items.push((router, TokenItem::failed_as(request, error, class)));
+        }
+    }
+
+    pub(super) fn step(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        match self.runner.step() {
+            Ok(events) => {
+                for ev in events {
+                    let Some((router, request)) = self.owners.get(&ev.seq).cloned() else {
+                        continue;
+                    };
+                    if let Some((_, phase)) = self.spans.get(&ev.seq) {
+                        if self.first_tokens.insert(ev.seq) {
+                            tracing::info!(parent: phase, token = ev.token, "first token");
+                        }
+                        if let Some(reason) = ev.finish {
+                            tracing::info!(parent: phase, reason = ?reason, "finished");
+                        }
+                    }
+                    if ev.finish.is_some() {
+                        self.owners.remove(&ev.seq);
+                        self.seqs.remove(&(router.clone(), request));
+                        self.spans.remove(&ev.seq);
+                        self.first_tokens.remove(&ev.seq);
+                    }
+                    items.push((
+                        router,
+                        TokenItem {
+                            request,
+                            token: Some(ev.token),
+                            logprob: ev.logprob,
+                            text: ev.text,
+                            finish: ev.finish,
+                            error: None,
+                            cached_tokens: ev.cached_tokens,
+                            class: FailureClass::Attempt,
+                        },
+                    ));
+                }
+            }
+            Err(e) => {
+                // A step that cannot run fails every running request; transfers go on.
+                tracing::error!(error = %e, "engine step failed");
+                let running: Vec<u64> = self
+                    .owners
+                    .keys()
+                    .copied()
+                    .filter(|s| {
+                        !self.prealloc.iter().any(|p| p.seq == *s)
+                            && !self.transfers.values().any(|t| t.seq == *s)
+                    })
+                    .collect();
+                for seq in running {
+                    let _ = self.runner.abort(seq);
+                    self.fail(seq, format!("decode step: {e}"), items);
+                }
+            }
+        }
+    }
+
+    pub(super) fn publish_load(&self) {
+        let runner = &self.runner;
+        let stats = runner.engine.pool.alloc.stats();
+        let (waiting, running) = runner.scheduler.queue_lengths();
+        let mut l = self.load.lock().unwrap_or_else(|p| p.into_inner());
+        l.queued_tokens = runner.scheduler.queued_tokens()
+            + self
+                .prealloc
+                .iter()
+                .map(|p| p.generate.prompt.len())
+                .sum::<usize>();
+        l.waiting = waiting + self.prealloc.len() + self.transfers.len();
+        l.running = running;
+        l.in_flight = self.seqs.len();
+        l.free_pages = stats.free;
+        l.pinned_pages = stats.pinned;
+        l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
+        l.quarantined_pages = self.ledger.quarantined_pages();
+    }
+}

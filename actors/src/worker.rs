@@ -1,0 +1,94 @@
+//! What the prefill and decode workers share: loading the model and the layout it gives, the
+//! load reports every router routes by, and the probe a draining node waits on.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use duet_engine::{Engine, EngineOptions, Model, fetch};
+use duet_runtime::config::Role;
+use duet_runtime::context::NodeContext;
+use duet_runtime::metrics as m;
+use duet_runtime::wire;
+
+use crate::protocol::{LayoutInfo, LoadReport, ROUTER_SERVICE, WORKER_SERVICE, kinds};
+use crate::settings::ServingConfig;
+
+/// Loads the model (fetching the default one if missing).
+pub(crate) fn load_model(s: &ServingConfig) -> Result<Model, String> {
+    let path = if s.model.exists() || !s.model.ends_with(fetch::MODEL_FILE) {
+        s.model.clone()
+    } else {
+        fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?
+    };
+    Model::open(&path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The engine options of a worker.
+pub(crate) fn engine_options(s: &ServingConfig, model: &Model) -> EngineOptions {
+    EngineOptions {
+        kv_dtype: s.kv_dtype,
+        page_size: s.page_size,
+        kv_pages: s.kv_pages,
+        threads: s.threads,
+        max_context: model.config.context_length,
+    }
+}
+
+/// The layout a model and options give.
+pub(crate) fn layout_info(model: &Model, o: &EngineOptions) -> LayoutInfo {
+    LayoutInfo {
+        layout: Engine::layout_for(model, o),
+        fingerprint: model.fingerprint.clone(),
+    }
+}
+
+/// Lets a draining node wait for the requests this worker holds.
+pub(crate) fn install_drain_probe(
+    ctx: &NodeContext,
+    name: &str,
+    load: &Arc<Mutex<LoadReport>>,
+    timeout: Duration,
+) {
+    let load = load.clone();
+    ctx.drain.set_timeout(timeout);
+    ctx.drain.set_probe(name, move || {
+        load.lock().unwrap_or_else(|p| p.into_inner()).in_flight
+    });
+}
+
+/// Tells every router this worker's load, every `interval`.
+pub(crate) async fn report_load(
+    ctx: Arc<NodeContext>,
+    interval: Duration,
+    load: Arc<Mutex<LoadReport>>,
+) {
+    let routers: Vec<String> = ctx
+        .config
+        .nodes
+        .iter()
+        .filter(|n| n.role == Role::Router && n.name != ctx.me.name)
+        .map(|n| n.name.clone())
+        .collect();
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        let mut report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        report.draining = ctx.drain.is_draining();
+        metrics::gauge!(m::KV_PAGES_TOTAL).set(report.total_pages as f64);
+        metrics::gauge!(m::KV_PAGES_FREE).set(report.free_pages as f64);
+        metrics::gauge!(m::KV_PAGES_CACHED).set(report.cached_pages as f64);
+        metrics::gauge!(m::KV_PAGES_PINNED).set(report.pinned_pages as f64);
+        metrics::gauge!(m::KV_PAGES_QUARANTINED).set(report.quarantined_pages as f64);
+        metrics::gauge!(m::KV_PAGES_USED).set((report.total_pages - report.free_pages) as f64);
+        metrics::gauge!(m::SEQS_RUNNING).set(report.running as f64);
+        metrics::gauge!(m::SEQS_WAITING).set(report.waiting as f64);
+        let body = wire::encode_body(&report);
+        for r in &routers {
+            if let Ok(link) = ctx.links.get(r) {
+                let _ = link
+                    .send(kinds::LOAD, WORKER_SERVICE, ROUTER_SERVICE, body.clone())
+                    .await;
+            }
+        }
+    }
+}
