@@ -10,9 +10,13 @@
 //! a finished prompt's pages so that a stream whose decode worker died can be re-sent without
 //! recomputing it. Kept leaves are evicted only after every other candidate, so the keep
 //! never starves admissions, and it ends by itself: it holds no reference of its own.
+//!
+//! No clock inside: the cache's time is what its owner last told it ([`PrefixCache::tick`],
+//! milliseconds on the owner's clock), so a simulation drives it as it drives the scheduler
+//! and the ledger.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use duet_gpu::{PageAllocator, PageId, PoolError};
 
@@ -23,8 +27,8 @@ struct Node {
     key: Vec<u32>,
     children: HashMap<Vec<u32>, usize>,
     last_used: u64,
-    /// Evicted last until then.
-    kept_until: Option<Instant>,
+    /// Evicted last until then (the cache's time, milliseconds).
+    kept_until: Option<u64>,
 }
 
 /// A radix tree of cached pages.
@@ -36,6 +40,8 @@ pub struct PrefixCache {
     roots: HashMap<Vec<u32>, usize>,
     clock: u64,
     keep: Duration,
+    /// The owner's time, milliseconds (see [`PrefixCache::tick`]).
+    now_ms: u64,
     /// Pages reused by sequences (for metrics and tests).
     pub hits: u64,
     /// Kept pages that memory pressure evicted before their time.
@@ -52,6 +58,7 @@ impl PrefixCache {
             roots: HashMap::new(),
             clock: 0,
             keep: Duration::ZERO,
+            now_ms: 0,
             hits: 0,
             keeps_broken: 0,
         }
@@ -63,14 +70,23 @@ impl PrefixCache {
         self.keep = keep;
     }
 
+    /// The owner's time is now `now_ms` (milliseconds on its clock; it never goes back). Keep
+    /// windows are measured on it.
+    pub fn tick(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
     /// Pages still inside their keep window.
     pub fn kept(&self) -> usize {
-        let now = Instant::now();
         self.nodes
             .iter()
             .flatten()
-            .filter(|n| n.kept_until.is_some_and(|t| t > now))
+            .filter(|n| self.is_kept(n))
             .count()
+    }
+
+    fn is_kept(&self, n: &Node) -> bool {
+        n.kept_until.is_some_and(|t| t > self.now_ms)
     }
 
     /// Pages held by the cache.
@@ -131,7 +147,8 @@ impl PrefixCache {
         alloc: &mut PageAllocator,
     ) -> Result<(), PoolError> {
         self.clock += 1;
-        let kept_until = (!self.keep.is_zero()).then(|| Instant::now() + self.keep);
+        let keep_ms = u64::try_from(self.keep.as_millis()).unwrap_or(u64::MAX);
+        let kept_until = (keep_ms > 0).then(|| self.now_ms.saturating_add(keep_ms));
         let mut at: Option<usize> = None;
         for (key, &page) in tokens.chunks_exact(self.page_size).zip(pages) {
             let i = match self.child(at, key) {
@@ -182,7 +199,6 @@ impl PrefixCache {
     /// Returns how many were freed.
     pub fn evict(&mut self, want: usize, alloc: &mut PageAllocator) -> usize {
         let mut freed = 0;
-        let now = Instant::now();
         while freed < want {
             // Leaves past their keep go first (least recently used first), then kept ones.
             let victim = self
@@ -191,8 +207,8 @@ impl PrefixCache {
                 .enumerate()
                 .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
                 .filter(|(_, n)| n.children.is_empty() && alloc.refs(n.page) == 1)
-                .min_by_key(|(_, n)| (n.kept_until.is_some_and(|t| t > now), n.last_used))
-                .map(|(i, n)| (i, n.kept_until.is_some_and(|t| t > now)));
+                .min_by_key(|(_, n)| (self.is_kept(n), n.last_used))
+                .map(|(i, n)| (i, self.is_kept(n)));
             let Some((i, kept)) = victim else { break };
             if kept {
                 self.keeps_broken += 1;
@@ -284,5 +300,24 @@ mod tests {
         assert_eq!(cache.evict(1, &mut alloc), 1);
         assert_eq!(cache.keeps_broken, 1);
         assert_eq!(alloc.stats().free, 8);
+    }
+
+    #[test]
+    fn a_keep_ends_when_the_owners_time_passes_it() {
+        let mut alloc = PageAllocator::new(4);
+        let mut cache = PrefixCache::new(2);
+        cache.tick(1_000);
+        cache.set_keep(Duration::from_secs(30));
+        let pages = alloc.alloc(1).unwrap();
+        cache.insert(&[1, 2], &pages, &mut alloc).unwrap();
+        alloc.release_all(&pages).unwrap();
+        cache.tick(30_999);
+        assert_eq!(cache.kept(), 1, "inside its window");
+        cache.tick(31_000);
+        assert_eq!(cache.kept(), 0, "the window is over");
+        cache.tick(5); // time never goes back
+        assert_eq!(cache.kept(), 0);
+        assert_eq!(cache.evict(1, &mut alloc), 1);
+        assert_eq!(cache.keeps_broken, 0, "an expired keep is no broken keep");
     }
 }

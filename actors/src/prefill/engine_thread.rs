@@ -70,6 +70,10 @@ impl PrefillCore {
             } else {
                 None
             };
+            // The prefix cache's keep windows run on this thread's clock.
+            self.runner
+                .cache
+                .tick(self.epoch.elapsed().as_millis() as u64);
             for cmd in first
                 .into_iter()
                 .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
