@@ -86,6 +86,8 @@ pub(super) struct DecodeCore {
     /// Prefill nodes whose hello succeeded.
     pub(super) ready: HashSet<String>,
     pub(super) epoch: Instant,
+    /// The time of this turn (see [`DecodeCore::turn`]).
+    pub(super) now: Instant,
     pub(super) last_fence_ms: u64,
     /// Per sequence: its root span and the span of the phase it is in.
     pub(super) spans: HashMap<u64, (tracing::Span, tracing::Span)>,
@@ -118,38 +120,50 @@ impl DecodeCore {
             } else {
                 None
             };
-            let mut items = Vec::new();
-            for cmd in first
+            let batch: Vec<Cmd> = first
                 .into_iter()
                 .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
-            {
-                if matches!(cmd, Cmd::Shutdown) {
-                    return;
-                }
-                self.command(cmd, &mut items);
+                .collect();
+            if batch.iter().any(|c| matches!(c, Cmd::Shutdown)) {
+                return;
             }
-            self.preallocate(&mut items);
-            self.expire(&mut items);
-            let now = Instant::now();
-            for (_, node, d) in self
-                .held
-                .extract_if(.., |(due, _, _)| *due <= now)
-                .collect::<Vec<_>>()
-            {
-                self.done(node, d, &mut items);
-            }
-            if !self.runner.scheduler.is_idle() {
-                self.step(&mut items);
-            }
-            self.publish_load();
+            let items = self.turn(Instant::now(), batch);
             if !items.is_empty() && self.out.send(items).is_err() {
                 return;
             }
         }
     }
 
+    /// One turn of the engine thread at `now` (the only clock reading the logic sees): the
+    /// commands that arrived, then waiting requests get pages, deadlines and quarantined
+    /// attempts are checked, held transfers published, one engine step runs and the load is
+    /// reported. Returns the token items for the routers.
+    pub(super) fn turn(&mut self, now: Instant, cmds: Vec<Cmd>) -> Vec<(String, TokenItem)> {
+        self.now = self.now.max(now);
+        let mut items = Vec::new();
+        for cmd in cmds {
+            self.command(cmd, &mut items);
+        }
+        self.preallocate(&mut items);
+        self.expire(&mut items);
+        let now = self.now;
+        for (_, node, d) in self
+            .held
+            .extract_if(.., |(due, _, _)| *due <= now)
+            .collect::<Vec<_>>()
+        {
+            self.done(node, d, &mut items);
+        }
+        if !self.runner.scheduler.is_idle() {
+            self.step(&mut items);
+        }
+        self.publish_load();
+        items
+    }
+
+    /// Milliseconds since the thread started, at this turn.
     pub(super) fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.now.duration_since(self.epoch).as_millis() as u64
     }
 
     pub(super) fn command(&mut self, cmd: Cmd, items: &mut Vec<(String, TokenItem)>) {
@@ -204,7 +218,7 @@ impl DecodeCore {
                         router,
                         generate,
                         peer,
-                        since: Instant::now(),
+                        since: self.now,
                     }),
                     None => self.submit_local(seq, router, generate, items),
                 }
@@ -237,7 +251,7 @@ impl DecodeCore {
             Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
                 Some(t) if t.attempt == c.attempt => {
                     t.bytes = c.bytes;
-                    t.progressed = Instant::now();
+                    t.progressed = self.now;
                 }
                 _ => stale("chunk"),
             },
@@ -248,7 +262,7 @@ impl DecodeCore {
             } => {
                 let before = self.prefill_steps.insert(node.clone(), steps);
                 if before.is_some_and(|b| steps > b) {
-                    let now = Instant::now();
+                    let now = self.now;
                     for t in self.transfers.values_mut() {
                         if t.peer.node == node && holding.contains(&t.attempt) {
                             t.progressed = now;
@@ -261,7 +275,7 @@ impl DecodeCore {
                     room = d.room,
                     "fault injection: holding a complete transfer"
                 );
-                self.held.push((Instant::now() + self.hold_done, node, d));
+                self.held.push((self.now + self.hold_done, node, d));
             }
             Cmd::Done(node, d) => self.done(node, d, items),
             Cmd::Failed(node, f) => {

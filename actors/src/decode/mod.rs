@@ -270,6 +270,7 @@ impl Actor for DecodeWorker {
                 stalled: HashSet::new(),
                 ready: HashSet::new(),
                 epoch: Instant::now(),
+                now: Instant::now(),
                 last_fence_ms: 0,
                 spans: HashMap::new(),
                 first_tokens: HashSet::new(),

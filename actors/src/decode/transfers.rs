@@ -258,8 +258,8 @@ impl DecodeCore {
                 attempt,
                 prefix,
                 pages,
-                noticed: Instant::now(),
-                progressed: Instant::now(),
+                noticed: self.now,
+                progressed: self.now,
                 bytes: 0,
             },
         );
@@ -329,7 +329,7 @@ impl DecodeCore {
             }
         }
         self.ledger.prune();
-        let latency = t.noticed.elapsed().as_secs_f64();
+        let latency = self.now.duration_since(t.noticed).as_secs_f64();
         metrics::histogram!(m::TRANSFER_LATENCY).record(latency);
         metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "completed").increment(1);
         // What the client sees as cached: the larger of what D held and what P reused.
@@ -583,7 +583,7 @@ impl DecodeCore {
         let late: Vec<(String, u64)> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.progressed.elapsed() > self.transfer_timeout)
+            .filter(|(_, t)| self.now.duration_since(t.progressed) > self.transfer_timeout)
             .map(|(k, _)| k.clone())
             .collect();
         for k in late {
@@ -604,7 +604,7 @@ impl DecodeCore {
         let late: Vec<u64> = self
             .prealloc
             .iter()
-            .filter(|p| p.since.elapsed() > self.transfer_timeout)
+            .filter(|p| self.now.duration_since(p.since) > self.transfer_timeout)
             .map(|p| p.seq)
             .collect();
         for seq in late {
