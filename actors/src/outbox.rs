@@ -38,6 +38,11 @@ pub struct Outbox {
 }
 
 impl Outbox {
+    /// Queues a message already encoded. Returns false when the outbox task is gone.
+    pub fn queue(&self, message: Outgoing) -> bool {
+        self.tx.send(message).is_ok()
+    }
+
     /// Queues `body` for `service` on `node`. Returns false when the outbox task is gone
     /// (the worker is stopping).
     pub fn send(

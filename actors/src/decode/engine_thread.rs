@@ -14,7 +14,7 @@ use duet_transport::{AbortReason, Endpoint, Grants, TransferLedger};
 use tokio::sync::mpsc;
 
 use super::{Cmd, stale};
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, Outgoing};
 use crate::protocol::{FailureClass, Generate, LoadReport, PrefillPeer, TokenItem, TransferDone};
 
 /// What prefill must hear of a transfer decode ends.
@@ -56,6 +56,8 @@ pub(super) struct DecodeCore {
     pub(super) runner: Runner,
     pub(super) out: mpsc::UnboundedSender<Vec<(String, TokenItem)>>,
     pub(super) outbox: Outbox,
+    /// Control messages of this turn, handed to the outbox at its end.
+    pub(super) sends: Vec<Outgoing>,
     pub(super) load: Arc<Mutex<LoadReport>>,
     pub(super) grants: Grants,
     pub(super) endpoint: Endpoint,
@@ -127,7 +129,10 @@ impl DecodeCore {
             if batch.iter().any(|c| matches!(c, Cmd::Shutdown)) {
                 return;
             }
-            let items = self.turn(Instant::now(), batch);
+            let (items, sends) = self.turn(Instant::now(), batch);
+            for message in sends {
+                self.outbox.queue(message);
+            }
             if !items.is_empty() && self.out.send(items).is_err() {
                 return;
             }
@@ -137,8 +142,13 @@ impl DecodeCore {
     /// One turn of the engine thread at `now` (the only clock reading the logic sees): the
     /// commands that arrived, then waiting requests get pages, deadlines and quarantined
     /// attempts are checked, held transfers published, one engine step runs and the load is
-    /// reported. Returns the token items for the routers.
-    pub(super) fn turn(&mut self, now: Instant, cmds: Vec<Cmd>) -> Vec<(String, TokenItem)> {
+    /// reported. Returns the token items for the routers and the control messages for peers:
+    /// the turn itself sends nothing.
+    pub(super) fn turn(
+        &mut self,
+        now: Instant,
+        cmds: Vec<Cmd>,
+    ) -> (Vec<(String, TokenItem)>, Vec<Outgoing>) {
         self.now = self.now.max(now);
         let mut items = Vec::new();
         for cmd in cmds {
@@ -158,7 +168,23 @@ impl DecodeCore {
             self.step(&mut items);
         }
         self.publish_load();
-        items
+        (items, std::mem::take(&mut self.sends))
+    }
+
+    /// Queues a control message for `service` on `node` (sent at the end of the turn).
+    pub(super) fn send(
+        &mut self,
+        node: &str,
+        service: &'static str,
+        kind: &'static str,
+        body: &impl serde::Serialize,
+    ) {
+        self.sends.push(Outgoing {
+            node: node.to_string(),
+            service,
+            kind,
+            body: duet_runtime::wire::encode_body(body),
+        });
     }
 
     /// Milliseconds since the thread started, at this turn.
@@ -208,7 +234,7 @@ impl DecodeCore {
                     false,
                 );
                 if let (Err(e), Some(peer)) = (&admissible, &generate.prefill) {
-                    Self::drop_bootstrap_half(&self.outbox, peer);
+                    self.drop_bootstrap_half(peer);
                     self.fail(seq, format!("decode admission: {e}"), items);
                     return;
                 }
@@ -240,7 +266,7 @@ impl DecodeCore {
                 let refused = self.take_prealloc(|p| p.peer.node == node);
                 for p in refused {
                     self.fail(p.seq, format!("decode prealloc: {error}"), items);
-                    Self::drop_bootstrap_half(&self.outbox, &p.peer);
+                    self.drop_bootstrap_half(&p.peer);
                 }
             }
             Cmd::PeerGone(node, why) => self.lose_peer(&node, &why, false, items),

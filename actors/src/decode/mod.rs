@@ -240,6 +240,7 @@ impl Actor for DecodeWorker {
                 runner,
                 out: out_tx,
                 outbox,
+                sends: Vec::new(),
                 load,
                 grants,
                 endpoint,

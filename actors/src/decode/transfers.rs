@@ -14,7 +14,6 @@ use duet_transport::{AbortReason, Revocation};
 use super::engine_thread::{DecodeCore, Prealloc, Prefill, Transfer};
 use super::{receiver, stale};
 use crate::history;
-use crate::outbox::Outbox;
 use crate::protocol::{
     Abort, BOOTSTRAP_SERVICE, FailureClass, PreallocNotice, PrefillPeer, TokenItem, TransferDone,
     kinds,
@@ -62,8 +61,8 @@ impl DecodeCore {
     /// Tells prefill's bootstrap queue to drop the router's half of a request decode failed
     /// before its notice (else it waits there until its deadline). Retried while the link
     /// reconnects; a node that stays unreachable drops it at its own deadline.
-    pub(super) fn drop_bootstrap_half(outbox: &Outbox, peer: &PrefillPeer) {
-        outbox.send(
+    pub(super) fn drop_bootstrap_half(&mut self, peer: &PrefillPeer) {
+        self.send(
             &peer.node,
             BOOTSTRAP_SERVICE,
             kinds::ABORT,
@@ -75,8 +74,8 @@ impl DecodeCore {
     }
 
     /// Tells prefill to abort its side of a transfer (it drains, then acknowledges).
-    pub(super) fn abort_at_prefill(outbox: &Outbox, t: &Transfer) {
-        outbox.send(
+    pub(super) fn abort_at_prefill(&mut self, t: &Transfer) {
+        self.send(
             &t.peer.node,
             BOOTSTRAP_SERVICE,
             kinds::ABORT,
@@ -165,7 +164,7 @@ impl DecodeCore {
         if prompt.len() - cached < self.threshold || prompt.is_empty() {
             // Cheaper to prefill the short uncached rest here than to pair for it.
             let _ = alloc.release_all(&prefix);
-            Self::drop_bootstrap_half(&self.outbox, &p.peer);
+            self.drop_bootstrap_half(&p.peer);
             metrics::counter!(m::DECODE_LOCAL_PREFILLS, "reason" => "cached").increment(1);
             if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
                 *phase = tracing::info_span!(
@@ -216,7 +215,7 @@ impl DecodeCore {
                 let _ = alloc.release_all(&prefix);
                 let _ = alloc.release_all(&pages);
                 self.fail(p.seq, format!("decode prealloc: {e}"), items);
-                Self::drop_bootstrap_half(&self.outbox, &p.peer);
+                self.drop_bootstrap_half(&p.peer);
                 return true;
             }
         };
@@ -233,8 +232,7 @@ impl DecodeCore {
             claim_slot: grant.slot,
             prefill_incarnation: self.prefill_incarnations.get(&p.peer.node).copied(),
         };
-        self.outbox
-            .send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
+        self.send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
         if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
             root.record("attempt", attempt);
             *phase = tracing::info_span!(
@@ -444,7 +442,7 @@ impl DecodeCore {
         metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
             .increment(1);
         if prefill == Prefill::Stop {
-            Self::abort_at_prefill(&self.outbox, t);
+            self.abort_at_prefill(t);
         }
         self.draining
             .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
@@ -479,7 +477,7 @@ impl DecodeCore {
     pub(super) fn abort_seq(&mut self, seq: u64, reason: AbortReason) {
         if let Some(i) = self.prealloc.iter().position(|p| p.seq == seq) {
             if let Some(p) = self.prealloc.remove(i) {
-                Self::drop_bootstrap_half(&self.outbox, &p.peer);
+                self.drop_bootstrap_half(&p.peer);
             }
             return;
         }
@@ -530,7 +528,7 @@ impl DecodeCore {
                 format!("decode prealloc: prefill {node} {phase}: {why}"),
                 items,
             );
-            Self::drop_bootstrap_half(&self.outbox, &p.peer);
+            self.drop_bootstrap_half(&p.peer);
         }
     }
 
@@ -564,14 +562,14 @@ impl DecodeCore {
         if now.saturating_sub(self.last_fence_ms) >= backstop {
             self.last_fence_ms = now;
             for (attempt, _) in self.ledger.overdue(now, backstop) {
-                if let Some((node, room)) = self.draining.get(&attempt) {
+                if let Some((node, room)) = self.draining.get(&attempt).cloned() {
                     tracing::warn!(%node, room, attempt, "abort unacknowledged: drain fence");
-                    self.outbox.send(
-                        node,
+                    self.send(
+                        &node,
                         BOOTSTRAP_SERVICE,
                         kinds::DRAIN_FENCE,
                         &Abort {
-                            room: *room,
+                            room,
                             attempt: Some(attempt),
                         },
                     );
