@@ -12,7 +12,7 @@
 
 pub mod http;
 mod openai;
-mod policy;
+pub mod policy;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -438,16 +438,16 @@ impl RouterShared {
 
 /// Where an attempt may go.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Placement {
+pub struct Placement {
     /// Workers already tried (avoided while there are others).
-    exclude: Vec<String>,
+    pub exclude: Vec<String>,
     /// A pair the client named (`PREFILL,DECODE`).
-    forced: Option<String>,
+    pub forced: Option<String>,
     /// The prefill worker that keeps this prompt's KV (a continuation).
-    prefer_prefill: Option<String>,
+    pub prefer_prefill: Option<String>,
     /// Prefill workers never to use for this request (an attempt stalled on them: the same
     /// pair would stall again). Without another, decode prefills the prompt itself.
-    avoid_prefill: Vec<String>,
+    pub avoid_prefill: Vec<String>,
 }
 
 /// Why an attempt could not start.

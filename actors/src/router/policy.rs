@@ -17,7 +17,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::Placement;
+pub use super::Placement;
 use crate::protocol::FailureClass;
 
 /// Free retries of class [`FailureClass::Restart`] per request: a service that stays down is a
@@ -31,7 +31,7 @@ const START_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// One request's attempts so far.
 #[derive(Debug, Clone)]
-pub(crate) struct AttemptPolicy {
+pub struct AttemptPolicy {
     /// Attempts left that cost (none for a pair the client forced).
     budget: usize,
     /// Free retries of class `Restart` so far.
@@ -52,12 +52,15 @@ pub(crate) struct AttemptPolicy {
 
 /// What to do after an attempt failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum AfterFailure {
+pub enum AfterFailure {
     /// Start another attempt after `pause`, placed by `placement`. `migration`: the client has
     /// tokens, and the next attempt continues from them.
     Retry {
+        /// How long to wait first.
         pause: Duration,
+        /// Where it may go.
         placement: Placement,
+        /// Whether it continues a stream that has tokens.
         migration: bool,
     },
     /// The request ends with the failed attempt's error.
@@ -66,7 +69,7 @@ pub(crate) enum AfterFailure {
 
 /// What to do after a start failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AfterStartFailure {
+pub enum AfterStartFailure {
     /// No worker could take it now: ask again after the pause, free.
     Wait(Duration),
     /// A worker refused it: ask again after the pause, one attempt spent.
@@ -78,7 +81,7 @@ pub(crate) enum AfterStartFailure {
 impl AttemptPolicy {
     /// A request's policy: `retries` attempts may be spent (none when the client forced a
     /// pair, which is never swapped for another behind its back).
-    pub(crate) fn new(retries: usize, forced: Option<String>, migration: bool) -> AttemptPolicy {
+    pub fn new(retries: usize, forced: Option<String>, migration: bool) -> AttemptPolicy {
         AttemptPolicy {
             budget: if forced.is_some() { 0 } else { retries },
             refusals: 0,
@@ -92,7 +95,7 @@ impl AttemptPolicy {
     }
 
     /// Where the first attempt goes.
-    pub(crate) fn first_placement(&self) -> Placement {
+    pub fn first_placement(&self) -> Placement {
         Placement {
             forced: self.forced.clone(),
             ..Placement::default()
@@ -100,7 +103,7 @@ impl AttemptPolicy {
     }
 
     /// An attempt started on `worker` (and `prefill`).
-    pub(crate) fn started(&mut self, worker: &str, prefill: Option<&str>) {
+    pub fn started(&mut self, worker: &str, prefill: Option<&str>) {
         self.tried
             .extend(prefill.into_iter().chain([worker]).map(str::to_string));
         self.start_pause = START_PAUSE;
@@ -108,7 +111,7 @@ impl AttemptPolicy {
 
     /// The attempt on `worker` (and `prefill`) failed with `class`, the client having
     /// `generated` tokens of the request so far.
-    pub(crate) fn failed(
+    pub fn failed(
         &mut self,
         class: FailureClass,
         generated: usize,
@@ -168,7 +171,7 @@ impl AttemptPolicy {
     /// A start failed at `now`; `unavailable` when no worker could take it (none ready, a link
     /// down, its service restarting) rather than one refusing it. The request's `deadline`
     /// bounds the waiting.
-    pub(crate) fn start_failed(
+    pub fn start_failed(
         &mut self,
         unavailable: bool,
         now: Instant,

@@ -1,0 +1,472 @@
+//! A prefill worker in the simulator: its bootstrap queue (the router's half of a request
+//! meets decode's prealloc notice), its engine (one chunk at a time, costed by the model) and
+//! its KV sender (each chunk's pages written while the next chunk computes). Every write
+//! passes decode's fence at its start and holds it until it lands, as a claim does on the real
+//! shm backend; a crashed writer's claims drop with it.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use duet_gpu::PageId;
+
+use crate::world::{Ev, Msg, NodeId, Us, World, stream_token};
+
+/// How long a notice waits for the router's half, and a half for its notice.
+const NOTICE_WAIT_US: Us = 2_000_000;
+const HALF_WAIT_US: Us = 10_000_000;
+
+#[derive(Default)]
+pub(crate) struct PrefillNode {
+    halves: BTreeMap<u64, Half>,
+    /// Notices waiting for their half: room -> (decode, attempt, pages, decode incarnation, since).
+    waiting: BTreeMap<u64, (NodeId, u64, Vec<PageId>, u64, Us)>,
+    queue: VecDeque<u64>,
+    pub(crate) jobs: BTreeMap<u64, Job>,
+    computing: Option<u64>,
+    /// Notices already taken: (decode, room, attempt).
+    seen: BTreeSet<(NodeId, u64, u64)>,
+    writes: BTreeMap<u64, Write>,
+    next_id: u64,
+}
+
+struct Half {
+    req: u64,
+    prompt: usize,
+    first_index: usize,
+    since: Us,
+}
+
+pub(crate) struct Job {
+    pub(crate) decode: NodeId,
+    dinc: u64,
+    pub(crate) room: u64,
+    pub(crate) attempt: u64,
+    pages: Vec<PageId>,
+    req: u64,
+    prompt: usize,
+    first_index: usize,
+    computed: usize,
+    in_flight: u32,
+    pub(crate) aborted: bool,
+}
+
+struct Write {
+    job: u64,
+    decode: NodeId,
+    dinc: u64,
+    attempt: u64,
+    pages: Vec<PageId>,
+}
+
+impl PrefillNode {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.jobs.is_empty() && self.waiting.is_empty() && self.halves.is_empty()
+    }
+
+    pub(crate) fn stranded(&self) -> Option<String> {
+        if !self.jobs.is_empty() {
+            Some(format!("{} transfers still open", self.jobs.len()))
+        } else if !self.waiting.is_empty() || !self.halves.is_empty() {
+            Some(format!(
+                "{} notices and {} bootstrap halves still queued",
+                self.waiting.len(),
+                self.halves.len()
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+impl World {
+    fn pnode(&self, i: usize) -> NodeId {
+        self.prefill_id(i)
+    }
+
+    pub(crate) fn prefill_message(&mut self, i: usize, from: NodeId, msg: Msg) {
+        match msg {
+            Msg::Half {
+                room,
+                req,
+                prompt,
+                first_index,
+            } => {
+                self.prefills[i].halves.insert(
+                    room,
+                    Half {
+                        req,
+                        prompt,
+                        first_index,
+                        since: self.now,
+                    },
+                );
+                if let Some((decode, attempt, pages, dinc, _)) =
+                    self.prefills[i].waiting.remove(&room)
+                {
+                    self.start_job(i, decode, dinc, room, attempt, pages);
+                }
+            }
+            Msg::HalfCancel { room } => {
+                self.prefills[i].halves.remove(&room);
+                if let Some((decode, attempt, ..)) = self.prefills[i].waiting.remove(&room) {
+                    let me = self.pnode(i);
+                    self.send(
+                        me,
+                        decode,
+                        Msg::Failed {
+                            room,
+                            attempt: Some(attempt),
+                        },
+                    );
+                }
+            }
+            Msg::Notice {
+                room,
+                attempt,
+                pages,
+                dinc,
+            } => {
+                let fresh = self.prefills[i].seen.insert((from, room, attempt));
+                if !fresh {
+                    let busy = self.prefills[i].jobs.values().any(|j| j.room == room);
+                    if busy && self.cfg.mutations.fail_duplicate_notice {
+                        let me = self.pnode(i);
+                        let failed = Msg::Failed {
+                            room,
+                            attempt: Some(attempt),
+                        };
+                        self.send(me, from, failed);
+                    }
+                    return; // A duplicate: this attempt was taken already.
+                }
+                if self.prefills[i].halves.contains_key(&room) {
+                    self.start_job(i, from, dinc, room, attempt, pages);
+                } else {
+                    let now = self.now;
+                    self.prefills[i]
+                        .waiting
+                        .insert(room, (from, attempt, pages, dinc, now));
+                }
+            }
+            Msg::Abort { room, attempt } => {
+                let me = self.pnode(i);
+                let p = &mut self.prefills[i];
+                if p.waiting.get(&room).is_some_and(|w| w.1 == attempt) {
+                    p.waiting.remove(&room);
+                }
+                let hit: Vec<u64> = p
+                    .jobs
+                    .iter()
+                    .filter(|(_, j)| j.decode == from && j.room == room && j.attempt == attempt)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for id in &hit {
+                    if let Some(j) = p.jobs.get_mut(id) {
+                        j.aborted = true;
+                    }
+                }
+                let drained: Vec<u64> = hit
+                    .into_iter()
+                    .filter(|id| p.jobs.get(id).is_some_and(|j| j.in_flight == 0))
+                    .collect();
+                for id in drained {
+                    self.end_job(i, id);
+                }
+                // Acknowledged now when nothing is in flight; else at the last landing.
+                let busy = self.prefills[i]
+                    .jobs
+                    .values()
+                    .any(|j| j.decode == from && j.attempt == attempt && j.in_flight > 0);
+                if !busy {
+                    self.send(me, from, Msg::AbortAck { attempt });
+                }
+            }
+            Msg::PeerDown { node } => {
+                let p = &mut self.prefills[i];
+                p.waiting.retain(|_, w| w.0 != node);
+                let gone: Vec<u64> = p
+                    .jobs
+                    .iter()
+                    .filter(|(_, j)| j.decode == node)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for id in gone {
+                    let j = self.prefills[i].jobs.get_mut(&id).expect("listed");
+                    j.aborted = true;
+                    if j.in_flight == 0 {
+                        self.end_job(i, id);
+                    }
+                }
+            }
+            other => {
+                let from = self.procs[from].name.clone();
+                self.violation(format!("prefill got an unexpected {other:?} from {from}"));
+            }
+        }
+        self.kick_prefill(i);
+    }
+
+    fn start_job(
+        &mut self,
+        i: usize,
+        decode: NodeId,
+        dinc: u64,
+        room: u64,
+        attempt: u64,
+        pages: Vec<PageId>,
+    ) {
+        let p = &mut self.prefills[i];
+        let Some(h) = p.halves.get(&room) else {
+            return;
+        };
+        p.next_id += 1;
+        let id = p.next_id;
+        let job = Job {
+            decode,
+            dinc,
+            room,
+            attempt,
+            pages,
+            req: h.req,
+            prompt: h.prompt,
+            first_index: h.first_index,
+            computed: 0,
+            in_flight: 0,
+            aborted: false,
+        };
+        p.jobs.insert(id, job);
+        p.queue.push_back(id);
+        self.note(|| format!("p{i}: transfer of room {room} attempt {attempt} queued"));
+        self.kick_prefill(i);
+    }
+
+    /// Starts the next chunk when the engine is free.
+    fn kick_prefill(&mut self, i: usize) {
+        let inc = self.procs[self.pnode(i)].inc;
+        let p = &mut self.prefills[i];
+        if p.computing.is_some() {
+            return;
+        }
+        while let Some(&id) = p.queue.front() {
+            match p.jobs.get(&id) {
+                Some(j) if !j.aborted && j.computed < j.prompt => {
+                    let n = self.cfg.chunk_tokens.min(j.prompt - j.computed);
+                    let cost = self.cfg.cost.prefill_chunk_us(n, j.computed);
+                    p.computing = Some(id);
+                    let at = self.now + cost;
+                    let node = self.prefill_id(i);
+                    self.at(at, Ev::ChunkComputed(node, inc, id));
+                    return;
+                }
+                _ => {
+                    p.queue.pop_front();
+                }
+            }
+        }
+    }
+
+    pub(crate) fn chunk_computed(&mut self, i: usize, id: u64) {
+        let ps = self.cfg.page_size;
+        let chunk = self.cfg.chunk_tokens;
+        let p = &mut self.prefills[i];
+        p.computing = None;
+        let Some(j) = p.jobs.get_mut(&id) else {
+            self.kick_prefill(i);
+            return;
+        };
+        if j.aborted {
+            self.kick_prefill(i);
+            return;
+        }
+        let start = j.computed;
+        j.computed = (start + chunk).min(j.prompt);
+        if j.computed == j.prompt {
+            p.queue.retain(|q| *q != id);
+        }
+        let (first, last) = (start / ps, (j.computed - 1) / ps);
+        let pages = j.pages.get(first..=last).map(<[PageId]>::to_vec);
+        let tokens = j.computed - start;
+        match pages {
+            Some(pages) => self.start_write(i, id, pages, tokens),
+            None => {
+                let what = format!(
+                    "p{i}: room {} attempt {} would write pages {first}..={last} outside its \
+                     grant of {} pages",
+                    j.room,
+                    j.attempt,
+                    j.pages.len()
+                );
+                self.violation(what);
+            }
+        }
+        self.kick_prefill(i);
+    }
+
+    /// A write passes decode's fence (refused once the attempt is revoked) and holds it until
+    /// it lands.
+    fn start_write(&mut self, i: usize, id: u64, pages: Vec<PageId>, tokens: usize) {
+        let Some(j) = self.prefills[i].jobs.get(&id) else {
+            return;
+        };
+        let (decode, dinc, attempt, room) = (j.decode, j.dinc, j.attempt, j.room);
+        let live = self.procs[decode].inc == dinc;
+        if live && let Some(d) = self.decode_index(decode) {
+            match self.decodes[d].fence.get_mut(&attempt) {
+                Some(slot) if !slot.revoked => slot.writers += 1,
+                _ => {
+                    self.stats.writes_refused += 1;
+                    self.note(|| format!("p{i}: write of attempt {attempt} refused (revoked)"));
+                    let me = self.pnode(i);
+                    self.send(
+                        me,
+                        decode,
+                        Msg::Failed {
+                            room,
+                            attempt: Some(attempt),
+                        },
+                    );
+                    let j = self.prefills[i].jobs.get_mut(&id).expect("present");
+                    j.aborted = true;
+                    if j.in_flight == 0 {
+                        self.end_job(i, id);
+                    }
+                    return;
+                }
+            }
+        }
+        let f = &self.cfg.faults;
+        let stall = if self.now < f.until_us && self.rng.chance(f.write_stall) {
+            let us = self.rng.below(f.max_write_stall_us);
+            self.note(|| {
+                format!(
+                    "p{i}: write of attempt {attempt} stalls mid-run for {} ms",
+                    us / 1000
+                )
+            });
+            us
+        } else {
+            0
+        };
+        let p = &mut self.prefills[i];
+        p.next_id += 1;
+        let wid = p.next_id;
+        p.writes.insert(
+            wid,
+            Write {
+                job: id,
+                decode,
+                dinc,
+                attempt,
+                pages,
+            },
+        );
+        if let Some(j) = p.jobs.get_mut(&id) {
+            j.in_flight += 1;
+        }
+        let at = self.now + self.cfg.cost.write_us(tokens) + stall;
+        let node = self.pnode(i);
+        let inc = self.procs[node].inc;
+        self.at(at, Ev::Land(node, inc, wid));
+    }
+
+    /// A write's bytes are in decode's pages.
+    pub(crate) fn land(&mut self, i: usize, wid: u64) {
+        let Some(w) = self.prefills[i].writes.remove(&wid) else {
+            return;
+        };
+        if self.procs[w.decode].inc == w.dinc
+            && let Some(d) = self.decode_index(w.decode)
+        {
+            if let Err(e) = self.check.landed(d, w.attempt, &w.pages) {
+                self.violation(e);
+            }
+            if let Some(slot) = self.decodes[d].fence.get_mut(&w.attempt) {
+                slot.writers = slot.writers.saturating_sub(1);
+            }
+        }
+        let me = self.pnode(i);
+        let Some(j) = self.prefills[i].jobs.get_mut(&w.job) else {
+            return;
+        };
+        j.in_flight -= 1;
+        let (room, attempt, decode) = (j.room, j.attempt, j.decode);
+        if j.aborted {
+            if j.in_flight == 0 {
+                self.end_job(i, w.job);
+                self.send(me, decode, Msg::AbortAck { attempt });
+            }
+            return;
+        }
+        let complete =
+            (j.computed == j.prompt && j.in_flight == 0).then_some((j.req, j.first_index));
+        self.send(me, decode, Msg::Chunk { room, attempt });
+        if let Some((req, first_index)) = complete {
+            let first = stream_token(self.seed, req, first_index);
+            self.end_job(i, w.job);
+            self.prefills[i].halves.remove(&room);
+            self.send(
+                me,
+                decode,
+                Msg::Done {
+                    room,
+                    attempt,
+                    first,
+                },
+            );
+        }
+    }
+
+    /// A transfer is over (done, aborted or refused): its room's half goes with it (a later
+    /// attempt has a room of its own).
+    fn end_job(&mut self, i: usize, id: u64) {
+        let p = &mut self.prefills[i];
+        if let Some(j) = p.jobs.remove(&id) {
+            p.halves.remove(&j.room);
+        }
+        p.queue.retain(|q| *q != id);
+        if p.computing == Some(id) {
+            p.computing = None;
+        }
+    }
+
+    /// Notices and halves that waited too long.
+    pub(crate) fn prefill_tick(&mut self, i: usize) {
+        let now = self.now;
+        let me = self.pnode(i);
+        let p = &mut self.prefills[i];
+        let late: Vec<u64> = p
+            .waiting
+            .iter()
+            .filter(|(_, w)| now.saturating_sub(w.4) > NOTICE_WAIT_US)
+            .map(|(r, _)| *r)
+            .collect();
+        let jobs_rooms: BTreeSet<u64> = p.jobs.values().map(|j| j.room).collect();
+        p.halves.retain(|room, h| {
+            jobs_rooms.contains(room) || now.saturating_sub(h.since) <= HALF_WAIT_US
+        });
+        for room in late {
+            if let Some((decode, attempt, ..)) = self.prefills[i].waiting.remove(&room) {
+                self.send(
+                    me,
+                    decode,
+                    Msg::Failed {
+                        room,
+                        attempt: Some(attempt),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The process died: the kernel drops its claims (its writes in flight never land).
+    pub(crate) fn prefill_crashed(&mut self, i: usize) {
+        let p = std::mem::take(&mut self.prefills[i]);
+        for w in p.writes.values() {
+            if self.procs[w.decode].inc == w.dinc
+                && let Some(d) = self.decode_index(w.decode)
+                && let Some(slot) = self.decodes[d].fence.get_mut(&w.attempt)
+            {
+                slot.writers = slot.writers.saturating_sub(1);
+            }
+        }
+    }
+}
