@@ -5,11 +5,13 @@
 //! - `duet tree`, `duet kill`, `duet stop` inspect and poke the live supervision trees.
 //! - `duet credentials` creates the cluster certificate, key and token.
 //! - `duet fetch-model`, `duet generate`, `duet tiny-model`: the model and the engine alone.
+//! - `duet sim`: the deterministic simulator (capacity planner, fault seeds, calibration).
 
 mod admin_cli;
 mod bench;
 mod chaos;
 mod generate;
+mod sim;
 mod up;
 
 use std::path::PathBuf;
@@ -93,6 +95,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Load-test a router (streaming OpenAI API), or run an experiment (`--experiment`).
     Bench(bench::BenchArgs),
+    /// Simulate a cluster on virtual time: plan capacity (TTFT, ITL, goodput for P:D splits),
+    /// explore fault seeds (`--explore`), or measure this machine's costs (`--calibrate`).
+    Sim(sim::SimArgs),
     /// Load a running cluster while killing a random serving actor at an interval; report.
     Chaos(chaos::ChaosArgs),
     /// Write a tiny random-weight GGUF of the same architecture (for fast tests).
@@ -140,6 +145,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
         Command::Credentials { config } => credentials(&config),
         Command::Bench(args) => bench::run(args).await,
+        Command::Sim(args) => sim::run(args),
         Command::Chaos(args) => chaos::run(args).await,
         Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
             ExitCode::SUCCESS

@@ -179,8 +179,11 @@ impl SimConfig {
             cost: CostModel {
                 // Faster than a CPU so a run of 100 requests takes seconds of virtual time.
                 prefill_token_us: 60.0,
+                prefill_attn_us: 0.1,
                 decode_base_us: 2_000.0,
                 decode_seq_us: 300.0,
+                decode_table: Vec::new(),
+                link_gbps: 10.0,
                 ..CostModel::default()
             },
             faults: Faults::chaos(),
@@ -202,11 +205,12 @@ impl SimConfig {
             prompt_tokens: (128, 128),
             output_tokens: (64, 64),
             trace: None,
+            // The defaults of `[serving]`.
             page_size: 16,
-            decode_pages: 4096,
+            decode_pages: 512,
             max_running: 64,
-            chunk_tokens: 512,
-            local_threshold: 0,
+            chunk_tokens: 256,
+            local_threshold: 32,
             retries: 3,
             request_timeout_us: u64::MAX / 4,
             transfer_timeout_us: u64::MAX / 4,

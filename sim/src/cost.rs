@@ -27,6 +27,12 @@ pub struct CostModel {
     pub decode_seq_us: f64,
     /// Cost per context token attended in a decode step, summed over the batch (µs).
     pub decode_ctx_us: f64,
+    /// Measured decode steps, `[batch, context per sequence, µs]`, when the profile has
+    /// them: a step is interpolated between the measured batch sizes (CPU and GPU steps are
+    /// far from linear in the batch: small batches cost what reading the weights costs), and
+    /// `decode_ctx_us` accounts for context beyond the measured one.
+    #[serde(default)]
+    pub decode_table: Vec<[f64; 3]>,
     /// KV bytes per token (all layers, K and V).
     pub kv_bytes_per_token: u64,
     /// Transfer bandwidth between a prefill and a decode worker (GB/s).
@@ -38,19 +44,29 @@ pub struct CostModel {
 }
 
 impl Default for CostModel {
-    /// SmolLM2-135M Q4_1 on one core of the 2-vCPU CI machine (`duet sim --calibrate`,
-    /// 2026-12-01): what the default cluster serves.
+    /// SmolLM2-135M Q4_1, one thread per worker, on the 2-vCPU x86 machine CI runs on
+    /// (`duet sim --calibrate`, 2026-12-01, rounded): what the default cluster serves.
     fn default() -> CostModel {
         CostModel {
-            source: "default: SmolLM2-135M Q4_1, one worker thread, 2-vCPU x86 host".into(),
-            prefill_base_us: 2_000.0,
-            prefill_token_us: 3_600.0,
-            prefill_attn_us: 0.6,
-            decode_base_us: 9_000.0,
-            decode_seq_us: 4_500.0,
-            decode_ctx_us: 2.0,
-            kv_bytes_per_token: 46_080,
-            link_gbps: 10.0,
+            source: "default: SmolLM2-135M Q4_1, 1 thread per worker, 2-vCPU x86 (calibrated \
+                     2026-12-01)"
+                .into(),
+            prefill_base_us: 4_000.0,
+            prefill_token_us: 1_970.0,
+            prefill_attn_us: 2.3,
+            decode_base_us: 1_300.0,
+            decode_seq_us: 3_020.0,
+            decode_ctx_us: 4.3,
+            decode_table: vec![
+                [1.0, 138.0, 6_070.0],
+                [2.0, 138.0, 7_400.0],
+                [4.0, 138.0, 10_900.0],
+                [8.0, 138.0, 36_800.0],
+                [16.0, 138.0, 67_400.0],
+                [32.0, 138.0, 121_200.0],
+            ],
+            kv_bytes_per_token: 23_040,
+            link_gbps: 45.0,
             message_us: 150.0,
             write_base_us: 20.0,
         }
@@ -119,6 +135,15 @@ impl CostModel {
                 return Err(name);
             }
         }
+        let sorted = self.decode_table.windows(2).all(|w| w[0][0] < w[1][0]);
+        let sane = self
+            .decode_table
+            .iter()
+            .flatten()
+            .all(|v| v.is_finite() && *v >= 0.0);
+        if !sorted || !sane {
+            return Err("decode_table");
+        }
         if !self.link_gbps.is_finite() || self.link_gbps <= 0.0 {
             return Err("link_gbps");
         }
@@ -135,9 +160,37 @@ impl CostModel {
 
     /// A decode step over `batch` sequences attending `ctx` tokens in all (µs).
     pub fn decode_step_us(&self, batch: usize, ctx: usize) -> u64 {
-        (self.decode_base_us + self.decode_seq_us * batch as f64 + self.decode_ctx_us * ctx as f64)
-            .round()
-            .max(1.0) as u64
+        let (b, ctx) = (batch as f64, ctx as f64);
+        let us = match self.interpolate(b) {
+            Some((us, ctx_each)) => us + self.decode_ctx_us * (ctx - b * ctx_each),
+            None => self.decode_base_us + self.decode_seq_us * b + self.decode_ctx_us * ctx,
+        };
+        us.round().max(1.0) as u64
+    }
+
+    /// The table's step time at batch `b` (linear between measured batches, extrapolated
+    /// by the last two beyond them), and the context per sequence it was measured at.
+    fn interpolate(&self, b: f64) -> Option<(f64, f64)> {
+        let t = &self.decode_table;
+        match t.len() {
+            0 => None,
+            1 => Some((t[0][2], t[0][1])),
+            n => {
+                let i = t
+                    .iter()
+                    .position(|r| r[0] >= b)
+                    .unwrap_or(n - 1)
+                    .clamp(1, n - 1);
+                let (lo, hi) = (t[i - 1], t[i]);
+                let w = if hi[0] > lo[0] {
+                    (b - lo[0]) / (hi[0] - lo[0])
+                } else {
+                    0.0
+                };
+                let ctx = lo[1] + w * (hi[1] - lo[1]);
+                Some(((lo[2] + w * (hi[2] - lo[2])).max(1.0), ctx))
+            }
+        }
     }
 
     /// Moving the KV of `tokens` tokens (µs).
@@ -166,6 +219,24 @@ mod tests {
         assert!(c.decode_step_us(8, 1000) > c.decode_step_us(1, 1000));
         assert!(c.decode_step_us(1, 5000) > c.decode_step_us(1, 100));
         assert!(c.write_us(1000) > c.write_us(10));
+    }
+
+    #[test]
+    fn a_measured_table_is_interpolated_by_batch() {
+        let c = CostModel {
+            decode_ctx_us: 1.0,
+            decode_table: vec![
+                [1.0, 100.0, 1000.0],
+                [4.0, 100.0, 1300.0],
+                [8.0, 100.0, 2100.0],
+            ],
+            ..CostModel::default()
+        };
+        assert_eq!(c.decode_step_us(1, 100), 1000);
+        assert_eq!(c.decode_step_us(2, 200), 1100);
+        assert_eq!(c.decode_step_us(6, 600), 1700);
+        assert_eq!(c.decode_step_us(16, 1600), 3700, "extrapolated");
+        assert_eq!(c.decode_step_us(1, 600), 1500, "longer context costs more");
     }
 
     #[test]

@@ -16,8 +16,8 @@ use crate::world::{Ev, Generate, Msg, NodeId, Us, World, stream_token};
 #[derive(Default)]
 pub(crate) struct RouterNode {
     reqs: BTreeMap<u64, Req>,
-    /// Attempts under way per worker.
-    load: BTreeMap<NodeId, usize>,
+    /// Attempts under way per node.
+    load: Vec<usize>,
 }
 
 struct Req {
@@ -70,7 +70,7 @@ fn instant(base: Instant, us: Us) -> Instant {
 
 impl World {
     fn router_of(&self, req: u64) -> NodeId {
-        self.stats.routers[req as usize] as usize
+        (req as usize) % self.cfg.routers
     }
 
     /// Starts the request's next attempt on the workers its placement allows.
@@ -144,8 +144,11 @@ impl World {
             self.stats.migrations += 1;
         }
         self.stats.attempts += 1;
+        let nodes = self.procs.len();
+        let load = &mut self.routers[r].load;
+        load.resize(nodes, 0);
         for n in [Some(decode), prefill].into_iter().flatten() {
-            *self.routers[r].load.entry(n).or_default() += 1;
+            load[n] += 1;
         }
         self.note(|| {
             format!(
@@ -184,7 +187,7 @@ impl World {
         if let Some(p) = prefer.filter(|p| pool.contains(p) && allowed(p)) {
             return Some(p);
         }
-        let load = |n: &NodeId| self.routers[r].load.get(n).copied().unwrap_or(0);
+        let load = |n: &NodeId| self.routers[r].load.get(*n).copied().unwrap_or(0);
         let fresh = pool
             .iter()
             .filter(|n| allowed(n) && !exclude.contains(&self.procs[**n].name))
@@ -311,7 +314,7 @@ impl World {
 
     fn release_load(&mut self, r: NodeId, c: &Cur) {
         for n in [Some(c.decode), c.prefill].into_iter().flatten() {
-            if let Some(l) = self.routers[r].load.get_mut(&n) {
+            if let Some(l) = self.routers[r].load.get_mut(n) {
                 *l = l.saturating_sub(1);
             }
         }

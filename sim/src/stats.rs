@@ -115,17 +115,6 @@ pub struct Stats {
     pub good: usize,
     /// Virtual time at the end (µs).
     pub virtual_us: u64,
-    /// Router of each request.
-    pub(crate) routers: Vec<u32>,
-}
-
-impl Stats {
-    pub(crate) fn new(requests: usize) -> Stats {
-        Stats {
-            routers: Vec::with_capacity(requests),
-            ..Stats::default()
-        }
-    }
 }
 
 /// The planner's summary, as `--json` writes it.

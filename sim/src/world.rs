@@ -173,6 +173,8 @@ pub struct World {
     pub(crate) check: Checker,
     pub(crate) stats: Stats,
     trace: VecDeque<String>,
+    /// The Poisson arrivals' running clock (µs).
+    arrival_clock: f64,
 }
 
 /// What a run found.
@@ -210,8 +212,9 @@ impl World {
             prefills: (0..cfg.prefill).map(|_| PrefillNode::default()).collect(),
             decodes,
             check,
-            stats: Stats::new(cfg.requests),
+            stats: Stats::default(),
             trace: VecDeque::new(),
+            arrival_clock: 0.0,
             rng: Rng::new(seed),
             seed,
             now: 0,
@@ -326,7 +329,7 @@ impl World {
 
     /// Runs every request to its end, then lets the cluster heal, then checks what is left.
     pub fn run(mut self) -> Report {
-        self.schedule_arrivals();
+        self.next_arrival(0);
         if self.cfg.tick_us > 0 {
             for n in 0..self.procs.len() {
                 let at = self.rng.below(self.cfg.tick_us);
@@ -379,36 +382,43 @@ impl World {
         }
     }
 
-    fn schedule_arrivals(&mut self) {
-        let mut t = 0.0;
-        for req in 0..self.cfg.requests as u64 {
-            let (at, prompt, output) = match &self.cfg.trace {
-                Some(list) => list[req as usize % list.len()],
-                None => {
-                    t += self.rng.exponential(1e6 / self.cfg.rate);
-                    let (a, b) = self.cfg.prompt_tokens;
-                    let (c, d) = self.cfg.output_tokens;
-                    (
-                        t as u64,
-                        self.rng.between(a as u64, b as u64) as usize,
-                        self.rng.between(c as u64, d as u64) as usize,
-                    )
-                }
-            };
-            let router = (req as usize) % self.cfg.routers;
-            self.routers[router].admit(req, at, prompt.max(1), output.max(1), &self.cfg);
-            self.stats.routers.push(router as u32);
-            self.at(at, Ev::Arrive(req));
-            if at < self.cfg.faults.until_us && self.rng.chance(self.cfg.faults.client_leaves) {
-                let stay = self.rng.below(2_000_000 + output as u64 * 20_000);
-                self.at(at + stay, Ev::Leave(req));
+    /// Draws request `req` (or reads it from the trace), hands it to its router and schedules
+    /// its arrival. Arrivals are drawn one at a time, as they come, so a million requests never
+    /// sit in memory at once.
+    fn next_arrival(&mut self, req: u64) {
+        if req as usize >= self.cfg.requests {
+            return;
+        }
+        let (at, prompt, output) = match &self.cfg.trace {
+            Some(list) => list[req as usize % list.len()],
+            None => {
+                self.arrival_clock += self.rng.exponential(1e6 / self.cfg.rate);
+                let (a, b) = self.cfg.prompt_tokens;
+                let (c, d) = self.cfg.output_tokens;
+                (
+                    self.arrival_clock as u64,
+                    self.rng.between(a as u64, b as u64) as usize,
+                    self.rng.between(c as u64, d as u64) as usize,
+                )
             }
+        };
+        let at = at.max(self.now);
+        let router = (req as usize) % self.cfg.routers;
+        self.routers[router].admit(req, at, prompt.max(1), output.max(1), &self.cfg);
+        self.at(at, Ev::Arrive(req));
+        if at < self.cfg.faults.until_us && self.rng.chance(self.cfg.faults.client_leaves) {
+            let stay = self.rng.below(2_000_000 + output as u64 * 20_000);
+            self.at(at + stay, Ev::Leave(req));
         }
     }
 
     fn handle(&mut self, ev: Ev) {
         match ev {
-            Ev::Arrive(req) | Ev::StartAttempt(req) => self.start_attempt(req),
+            Ev::Arrive(req) => {
+                self.next_arrival(req + 1);
+                self.start_attempt(req);
+            }
+            Ev::StartAttempt(req) => self.start_attempt(req),
             Ev::Leave(req) => self.client_leaves(req),
             Ev::Deliver { to, inc, from, msg } => {
                 if self.procs[to].inc != inc || !self.procs[to].alive {

@@ -30,8 +30,10 @@ use stats::{RequestRecord, Slo};
 /// A length: fixed (`N`) or uniform over `A..B` (inclusive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LenDist {
-    lo: usize,
-    hi: usize,
+    /// Shortest.
+    pub lo: usize,
+    /// Longest.
+    pub hi: usize,
 }
 
 impl FromStr for LenDist {

@@ -1,0 +1,545 @@
+//! `duet sim`: the deterministic cluster simulator from the command line.
+//!
+//! - the planner (default): `duet sim --prefill P --decode D --rate R` prints what clients
+//!   would see (TTFT, ITL, end to end, throughput, goodput); `--sweep N` tries every P:D split
+//!   of N workers and prints the best first;
+//! - `--explore --seeds N`: runs N seeds under every fault and prints the first failing one's
+//!   trace (a seed reproduces bit for bit: `--first-seed S --seeds 1`);
+//! - `--calibrate`: measures this machine's engine step times and copy bandwidth with the
+//!   real model and writes the cost profile the planner reads (`--profile`).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
+use duet_sim::explore::explore;
+use duet_sim::planner::{plan, sweep};
+use duet_sim::stats::Summary;
+use duet_sim::{CostModel, Mutations, SimConfig};
+
+use crate::bench::LenDist;
+
+/// Options of `duet sim`.
+#[derive(Args)]
+pub struct SimArgs {
+    /// Prefill workers.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode workers.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Arrivals per second (Poisson).
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Requests to simulate.
+    #[arg(long, default_value_t = 1000)]
+    requests: usize,
+    /// Prompt length in tokens: N or A..B.
+    #[arg(long, default_value = "128")]
+    prompt_len: LenDist,
+    /// Output length in tokens: N or A..B.
+    #[arg(long, default_value = "64")]
+    output_len: LenDist,
+    /// Requests from a file instead (JSON lines: arrival_ms, prompt_tokens, output_tokens).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// The cost profile (`--calibrate` writes one; default: this project's CI machine).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Goodput counts requests whose time to first token is at most this (ms).
+    #[arg(long)]
+    slo_ttft_ms: Option<f64>,
+    /// ... and whose mean time per output token is at most this (ms).
+    #[arg(long)]
+    slo_itl_ms: Option<f64>,
+    /// Write the summary (or the sweep) as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Try every prefill:decode split of this many workers; print the best first.
+    #[arg(long)]
+    sweep: Option<usize>,
+    /// The seed of arrivals and lengths (or the first seed explored).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Explore seeds under faults instead of planning.
+    #[arg(long)]
+    explore: bool,
+    /// Seeds to explore.
+    #[arg(long, default_value_t = 1000)]
+    seeds: u64,
+    /// Switch a fixed bug back on while exploring (to see the checks catch it):
+    /// release-on-backstop, publish-aborted, fail-duplicate-notice.
+    #[arg(long)]
+    mutation: Option<String>,
+    /// Measure this machine's cost profile with the real model and write it (`--out`).
+    #[arg(long)]
+    calibrate: bool,
+    /// Where `--calibrate` writes the profile.
+    #[arg(long, default_value = "sim-profile.json")]
+    out: PathBuf,
+    /// The GGUF `--calibrate` measures (default: the real model, fetched if missing).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Compute threads per worker for `--calibrate` (`serving.threads`).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+/// Runs `duet sim`.
+pub fn run(args: SimArgs) -> ExitCode {
+    let result = if args.calibrate {
+        calibrate(&args)
+    } else if args.explore {
+        run_explore(&args)
+    } else {
+        run_plan(&args)
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: sim: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_explore(args: &SimArgs) -> Result<ExitCode, String> {
+    let mut mutations = Mutations::default();
+    match args.mutation.as_deref() {
+        None => {}
+        Some("release-on-backstop") => mutations.release_on_backstop = true,
+        Some("publish-aborted") => mutations.publish_aborted = true,
+        Some("fail-duplicate-notice") => mutations.fail_duplicate_notice = true,
+        Some(other) => {
+            return Err(format!(
+                "--mutation `{other}`: expected release-on-backstop, publish-aborted or \
+                 fail-duplicate-notice"
+            ));
+        }
+    }
+    let cfg = SimConfig {
+        mutations,
+        ..SimConfig::explore()
+    };
+    let start = Instant::now();
+    let e = explore(&cfg, args.seed, args.seeds);
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "{} seeds x {} requests in {secs:.1} s: {} finished, {} failed, {} left by their \
+         client; {} node faults, {} aborted transfers, {} writes refused, {} drains past the \
+         backstop kept quarantined, {} migrations",
+        e.seeds,
+        cfg.requests,
+        e.finished,
+        e.failed,
+        e.left,
+        e.faults,
+        e.aborts,
+        e.writes_refused,
+        e.quarantine_stalls,
+        e.migrations
+    );
+    match e.failure {
+        None => {
+            println!("no invariant broken");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(r) => {
+            println!("{}", r.readable());
+            println!(
+                "reproduce: duet sim --explore --seed {} --seeds 1{}",
+                r.seed,
+                args.mutation
+                    .as_deref()
+                    .map(|m| format!(" --mutation {m}"))
+                    .unwrap_or_default()
+            );
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+fn plan_config(args: &SimArgs) -> Result<SimConfig, String> {
+    if args.prefill == 0 || args.decode == 0 {
+        return Err("--prefill and --decode need at least one worker each".into());
+    }
+    if !(args.rate.is_finite() && args.rate > 0.0) {
+        return Err("--rate must be a positive number of requests per second".into());
+    }
+    let mut cfg = SimConfig::plan(args.prefill, args.decode, args.rate, args.requests.max(1));
+    cfg.prompt_tokens = (args.prompt_len.lo, args.prompt_len.hi);
+    cfg.output_tokens = (args.output_len.lo, args.output_len.hi);
+    if let Some(p) = &args.profile {
+        cfg.cost = CostModel::from_file(p).map_err(|e| e.to_string())?;
+    }
+    if let Some(t) = &args.trace {
+        let list = read_trace(t)?;
+        cfg.requests = list.len();
+        cfg.trace = Some(list);
+    }
+    cfg.slo_ttft_us = args.slo_ttft_ms.map(|ms| (ms * 1e3) as u64);
+    cfg.slo_itl_us = args.slo_itl_ms.map(|ms| (ms * 1e3) as u64);
+    let longest = cfg.prompt_tokens.1 + cfg.output_tokens.1;
+    if longest.div_ceil(cfg.page_size) > cfg.decode_pages {
+        return Err(format!(
+            "a request of {longest} tokens does not fit a decode worker's pool of {} pages",
+            cfg.decode_pages
+        ));
+    }
+    Ok(cfg)
+}
+
+/// Reads `--trace`: one JSON object per line with `arrival_ms`, `prompt_tokens` and
+/// `output_tokens`.
+fn read_trace(path: &Path) -> Result<Vec<(u64, usize, usize)>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --trace {}: {e}", path.display()))?;
+    let mut list = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = |what: &str| format!("--trace {} line {}: {what}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| at(&format!("not JSON ({e})")))?;
+        let num = |key: &str| {
+            v.get(key)
+                .and_then(serde_json::Value::as_f64)
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| at(&format!("`{key}` must be a number >= 0")))
+        };
+        let arrival = (num("arrival_ms")? * 1e3) as u64;
+        let prompt = num("prompt_tokens")? as usize;
+        let output = num("output_tokens")? as usize;
+        if prompt == 0 || output == 0 {
+            return Err(at("prompt_tokens and output_tokens must be at least 1"));
+        }
+        list.push((arrival, prompt, output));
+    }
+    if list.is_empty() {
+        return Err(format!("--trace {} has no requests", path.display()));
+    }
+    list.sort_by_key(|r| r.0);
+    Ok(list)
+}
+
+fn run_plan(args: &SimArgs) -> Result<ExitCode, String> {
+    let cfg = plan_config(args)?;
+    let start = Instant::now();
+    println!(
+        "cost profile: {} (prefill {:.0} µs/token, decode step {:.1} ms at batch 1)",
+        cfg.cost.source,
+        cfg.cost.prefill_token_us,
+        cfg.cost.decode_step_us(1, 128) as f64 / 1e3
+    );
+    let json = if let Some(workers) = args.sweep {
+        if workers < 2 {
+            return Err("--sweep needs at least 2 workers (one of each role)".into());
+        }
+        let all = sweep(&cfg, workers, args.seed);
+        println!(
+            "{workers} workers at {} req/s, {} requests, best split first:",
+            cfg.rate, cfg.requests
+        );
+        header();
+        for s in &all {
+            row(s);
+        }
+        if let Some(best) = all.first() {
+            println!(
+                "best: {} prefill : {} decode ({} s on one core)",
+                best.prefill,
+                best.decode,
+                fmt_secs(start)
+            );
+        }
+        serde_json::to_value(&all).map_err(|e| e.to_string())?
+    } else {
+        let s = plan(&cfg, args.seed);
+        header();
+        row(&s);
+        println!(
+            "TTFT p50/p90/p99 {:.1}/{:.1}/{:.1} ms, ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms, \
+             e2e p50/p99 {:.0}/{:.0} ms over {:.0} virtual s ({} s on one core)",
+            s.ttft_p50_ms,
+            s.ttft_p90_ms,
+            s.ttft_p99_ms,
+            s.itl_p50_ms,
+            s.itl_p90_ms,
+            s.itl_p99_ms,
+            s.e2e_p50_ms,
+            s.e2e_p99_ms,
+            s.virtual_s,
+            fmt_secs(start)
+        );
+        serde_json::to_value(&s).map_err(|e| e.to_string())?
+    };
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn fmt_secs(start: Instant) -> String {
+    format!("{:.1}", start.elapsed().as_secs_f64())
+}
+
+fn header() {
+    println!(
+        "{:>4} {:>4} {:>8} {:>10} {:>10} {:>9} {:>9} {:>11} {:>10}",
+        "P", "D", "rate", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tok/s", "goodput"
+    );
+}
+
+fn row(s: &Summary) {
+    println!(
+        "{:>4} {:>4} {:>8.2} {:>10.1} {:>10.1} {:>9.1} {:>9.1} {:>11.1} {:>10.2}",
+        s.prefill,
+        s.decode,
+        s.rate,
+        s.ttft_p50_ms,
+        s.ttft_p99_ms,
+        s.itl_p50_ms,
+        s.itl_p99_ms,
+        s.throughput_tok_s,
+        s.goodput_req_s
+    );
+}
+
+/// One timed engine step: (tokens computed in it, context before them, sequences, µs).
+type Sample = (f64, f64, f64, f64);
+
+/// Measures the engine (prefill chunks and decode steps at several sizes) and a memory
+/// copy, fits the cost model's coefficients, and writes the profile.
+fn calibrate(args: &SimArgs) -> Result<ExitCode, String> {
+    let path = crate::generate::resolve_model(args.model.as_deref())?;
+    let threads = args.threads.max(1);
+    let open = |max_batch_tokens: usize| -> Result<Runner, String> {
+        let model = Model::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let options = EngineOptions {
+            kv_pages: 1024,
+            threads,
+            ..EngineOptions::default()
+        };
+        let engine = Engine::new(model, options).map_err(|e| e.to_string())?;
+        Ok(Runner::new(engine, max_batch_tokens, 64))
+    };
+    let prompt = |len: usize, salt: usize| -> Vec<u32> {
+        (0..len)
+            .map(|i| 100 + ((i * 7919 + salt * 104_729) % 20_000) as u32)
+            .collect()
+    };
+    let params = |max_tokens: usize| SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let kv_bytes_per_token = {
+        let r = open(16)?;
+        Engine::layout_for(&r.engine.model, r.engine.options()).token_bytes() as u64
+    };
+    // Prefill: one sequence, chunks of n tokens after ctx computed ones.
+    let mut prefill: Vec<Sample> = Vec::new();
+    for (len, chunk) in [
+        (32, 32),
+        (64, 64),
+        (128, 128),
+        (256, 256),
+        (512, 128),
+        (768, 256),
+    ] {
+        for rep in 0..2 {
+            let mut r = open(chunk)?;
+            r.submit(0, prompt(len, rep), params(1))
+                .map_err(|e| e.to_string())?;
+            let mut ctx = 0;
+            while ctx < len {
+                let n = chunk.min(len - ctx);
+                let t = Instant::now();
+                r.step().map_err(|e| e.to_string())?;
+                prefill.push((n as f64, ctx as f64, 1.0, t.elapsed().as_secs_f64() * 1e6));
+                ctx += n;
+            }
+        }
+    }
+    // Decode: batches of B sequences at a context of about ctx tokens.
+    let mut decode: Vec<Sample> = Vec::new();
+    for (batch, ctx) in [
+        (1, 128),
+        (2, 128),
+        (4, 128),
+        (8, 128),
+        (16, 128),
+        (32, 128),
+        (1, 1024),
+        (8, 512),
+    ] {
+        let mut r = open(4096)?;
+        for s in 0..batch {
+            r.submit(s as u64, prompt(ctx, s), params(24))
+                .map_err(|e| e.to_string())?;
+        }
+        // The prompts (one step), then the first decode steps are warm-up.
+        for _ in 0..3 {
+            r.step().map_err(|e| e.to_string())?;
+        }
+        let mut times = Vec::new();
+        for _ in 0..16 {
+            let t = Instant::now();
+            r.step().map_err(|e| e.to_string())?;
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        decode.push((
+            batch as f64,
+            (batch * (ctx + 10)) as f64,
+            batch as f64,
+            median,
+        ));
+    }
+    let gbps = copy_gbps();
+    let [p_base, p_tok, p_attn] = fit(&prefill, |&(n, ctx, _, _)| [1.0, n, n * (ctx + n / 2.0)]);
+    let [d_base, d_seq, d_fit_ctx] = fit(&decode, |&(b, ctx, _, _)| [1.0, b, ctx]);
+    // The cost of context alone: the same batch at a short and a long context.
+    let pairs: Vec<f64> = decode
+        .iter()
+        .filter(|long| long.1 / long.0 >= 200.0)
+        .filter_map(|long| {
+            let short = decode.iter().find(|s| s.0 == long.0 && s.1 / s.0 < 200.0)?;
+            Some((long.3 - short.3) / (long.1 - short.1))
+        })
+        .collect();
+    let d_ctx = if pairs.is_empty() {
+        d_fit_ctx
+    } else {
+        pairs.iter().sum::<f64>() / pairs.len() as f64
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let cost = CostModel {
+        source: format!(
+            "duet sim --calibrate on {} ({} cores, {threads} thread(s) per worker), {}",
+            host.trim(),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            path.file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned())
+        ),
+        prefill_base_us: p_base.max(0.0),
+        prefill_token_us: p_tok.max(0.0),
+        prefill_attn_us: p_attn.max(0.0),
+        decode_base_us: d_base.max(0.0),
+        decode_seq_us: d_seq.max(0.0),
+        decode_ctx_us: d_ctx.max(0.0),
+        decode_table: decode
+            .iter()
+            .filter(|d| d.1 / d.0 < 200.0)
+            .map(|&(b, ctx, _, us)| [b, ctx / b, us])
+            .collect(),
+        kv_bytes_per_token,
+        link_gbps: gbps,
+        ..CostModel::default()
+    };
+    println!("prefill chunks (tokens, context, measured ms, model ms):");
+    for &(n, ctx, _, us) in &prefill {
+        let m = cost.prefill_chunk_us(n as usize, ctx as usize) as f64;
+        println!("  {n:>5} {ctx:>6} {:>9.1} {:>9.1}", us / 1e3, m / 1e3);
+    }
+    println!("decode steps (batch, context in all, measured ms, model ms):");
+    for &(b, ctx, _, us) in &decode {
+        let m = cost.decode_step_us(b as usize, ctx as usize) as f64;
+        println!("  {b:>5} {ctx:>6} {:>9.1} {:>9.1}", us / 1e3, m / 1e3);
+    }
+    println!("memory copy: {gbps:.1} GB/s; KV {kv_bytes_per_token} bytes per token");
+    let text = serde_json::to_string_pretty(&cost).map_err(|e| e.to_string())?;
+    std::fs::write(&args.out, text + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", args.out.display()))?;
+    println!("wrote {}", args.out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Copy bandwidth of this machine (64 MiB, best of five): what the shm backend reaches.
+fn copy_gbps() -> f64 {
+    let src = vec![7u8; 64 << 20];
+    let mut dst = vec![0u8; 64 << 20];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (64 << 20) as f64 / best / 1e9
+}
+
+/// Least squares for y = c · features(x), three coefficients (normal equations).
+fn fit<F: Fn(&Sample) -> [f64; 3]>(samples: &[Sample], features: F) -> [f64; 3] {
+    let mut a = [[0.0f64; 3]; 3];
+    let mut b = [0.0f64; 3];
+    for s in samples {
+        let f = features(s);
+        for i in 0..3 {
+            for j in 0..3 {
+                a[i][j] += f[i] * f[j];
+            }
+            b[i] += f[i] * s.3;
+        }
+    }
+    solve3(a, b).unwrap_or([0.0; 3])
+}
+
+/// Gaussian elimination with partial pivoting; None when singular.
+fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
+    for col in 0..3 {
+        let pivot = (col..3).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        b.swap(col, pivot);
+        for row in col + 1..3 {
+            let k = a[row][col] / a[col][col];
+            let pivot_row = a[col];
+            for (x, p) in a[row].iter_mut().zip(pivot_row).skip(col) {
+                *x -= k * p;
+            }
+            b[row] -= k * b[col];
+        }
+    }
+    let mut x = [0.0; 3];
+    for row in (0..3).rev() {
+        let s: f64 = (row + 1..3).map(|c| a[row][c] * x[c]).sum();
+        x[row] = (b[row] - s) / a[row][row];
+    }
+    Some(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fit_recovers_known_coefficients() {
+        let samples: Vec<Sample> = [(1.0, 10.0), (2.0, 50.0), (4.0, 30.0), (8.0, 200.0)]
+            .iter()
+            .map(|&(b, c)| (b, c, b, 100.0 + 7.0 * b + 0.5 * c))
+            .collect();
+        let [x, y, z] = fit(&samples, |&(b, c, _, _)| [1.0, b, c]);
+        assert!((x - 100.0).abs() < 1e-6 && (y - 7.0).abs() < 1e-6 && (z - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_trace_names_its_bad_line() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let p = dir.path().join("t.jsonl");
+        std::fs::write(
+            &p,
+            "{\"arrival_ms\": 0, \"prompt_tokens\": 10, \"output_tokens\": 5}\n{\"arrival_ms\": 1}\n",
+        )
+        .expect("write");
+        let e = read_trace(&p).expect_err("refused");
+        assert!(e.contains("line 2") && e.contains("prompt_tokens"), "{e}");
+    }
+}
