@@ -20,8 +20,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, FailureClass, PREFILL_SERVICE, PreallocNotice,
-    PrefillRequest, PrefillStart, TransferFailed, WORKER_SERVICE, kinds,
+    Abort, AbortAck, Accepted, BOOTSTRAP_SERVICE, PREFILL_SERVICE, PreallocNotice, PrefillRequest,
+    PrefillStart, ServingError, TransferFailed, WORKER_SERVICE, kinds,
 };
 use crate::settings::ServingConfig;
 
@@ -305,12 +305,11 @@ impl BootstrapState {
             // No prefill worker (restarting): nothing was written, so decode frees the pages
             // and the router may retry.
             tracing::warn!(error = %e, room = start.notice.room, "cannot start a prefill");
-            let failed = TransferFailed {
-                room: start.notice.room,
-                attempt: Some(start.notice.attempt),
-                error: format!("prefill bootstrap: {e}"),
-                class: FailureClass::Restart,
-            };
+            let failed = TransferFailed::new(
+                start.notice.room,
+                Some(start.notice.attempt),
+                &ServingError::Restart(format!("prefill bootstrap: {e}")),
+            );
             self.send(&start.request.decode, kinds::FAILED, &failed)
                 .await;
         }
@@ -344,15 +343,10 @@ impl BootstrapState {
             {
                 tracing::warn!(parent: &span, room, "no pages from decode in time");
                 let error = format!(
-                    "prefill bootstrap: no pages from decode {} within {limit:?}",
+                    "bootstrap: no pages from decode {} within {limit:?}",
                     r.decode
                 );
-                let failed = TransferFailed {
-                    room,
-                    attempt: None,
-                    error,
-                    class: FailureClass::Attempt,
-                };
+                let failed = TransferFailed::new(room, None, &ServingError::Prefill(error));
                 self.send(&r.decode, kinds::FAILED, &failed).await;
             }
         }
@@ -364,14 +358,13 @@ impl BootstrapState {
             .collect();
         for room in late {
             if let Some((n, decode, _)) = self.notices.remove(&room) {
-                let failed = TransferFailed {
+                let failed = TransferFailed::new(
                     room,
-                    attempt: Some(n.attempt),
-                    error: format!(
-                        "prefill bootstrap: the router's request never arrived within {limit:?}"
-                    ),
-                    class: FailureClass::Attempt,
-                };
+                    Some(n.attempt),
+                    &ServingError::Prefill(format!(
+                        "bootstrap: the router's request never arrived within {limit:?}"
+                    )),
+                );
                 self.send(&decode, kinds::FAILED, &failed).await;
             }
         }

@@ -16,6 +16,7 @@
 //! - [`prefill`]: the prefill worker and its KV sender.
 //! - [`decode`]: the decode worker (continuous batch, local prefill of short prompts, the
 //!   receiving side of transfers).
+//! - [`error`]: typed failures: the code the wire carries, the class the router acts on.
 //! - [`handoff`]: the supervised actor of the KV sender's and KV receiver's threads.
 //! - [`outbox`]: ordered one-way messages from engine threads.
 //! - [`history`]: the page-ownership event log that fault tests check independently.
@@ -29,6 +30,7 @@ use duet_runtime::supervisor::ChildSpec;
 
 pub mod bootstrap;
 pub mod decode;
+pub mod error;
 pub mod handoff;
 pub mod history;
 pub mod outbox;

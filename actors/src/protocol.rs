@@ -48,6 +48,8 @@ use duet_gpu::{KvLayout, PageId};
 use duet_transport::{Backend, Endpoint, WriteGrant};
 use serde::{Deserialize, Serialize};
 
+pub use crate::error::{ErrorCode, ServingError};
+
 /// Service name of the worker on decode nodes.
 pub const WORKER_SERVICE: &str = "worker";
 /// Service name of the bootstrap actor on prefill nodes.
@@ -311,6 +313,9 @@ pub enum FailureClass {
     /// The router's own actor restarted under the attempt (its successor takes the request
     /// over): a retry is free and immediate. Never sent by a worker.
     RouterRestart,
+    /// No retry can help (the request's own deadline passed): the request fails with this
+    /// error.
+    Fatal,
 }
 
 /// P → D: the prefill failed (its writes, if any, have drained).
@@ -320,11 +325,36 @@ pub struct TransferFailed {
     pub room: u64,
     /// D's attempt.
     pub attempt: Option<u64>,
-    /// Names the phase and the cause.
+    /// Names the phase and the cause (for people).
     pub error: String,
     /// What kind of failure it is (decode passes it on to the router).
     #[serde(default)]
     pub class: FailureClass,
+    /// Which failure it is.
+    #[serde(default)]
+    pub code: ErrorCode,
+}
+
+impl TransferFailed {
+    /// Prefill's report of `error` for `room` (and decode's `attempt`, when it had one).
+    pub fn new(room: u64, attempt: Option<u64>, error: &ServingError) -> TransferFailed {
+        TransferFailed {
+            room,
+            attempt,
+            error: error.to_string(),
+            class: error.class(),
+            code: error.code(),
+        }
+    }
+
+    /// The failure as decode passes it on.
+    pub fn to_error(&self) -> ServingError {
+        ServingError::Remote {
+            code: self.code,
+            class: self.class,
+            message: self.error.clone(),
+        }
+    }
 }
 
 /// P → D, every load interval.
@@ -389,29 +419,37 @@ pub struct TokenItem {
     pub error: Option<String>,
     /// Prompt tokens served from the prefix cache (first item only).
     pub cached_tokens: usize,
-    /// With `error`: what kind of failure.
+    /// With `error`: what the router does about it.
     #[serde(default)]
     pub class: FailureClass,
+    /// With `error`: which failure it is.
+    #[serde(default)]
+    pub code: ErrorCode,
 }
 
 impl TokenItem {
-    /// A failure item of the attempt.
-    pub fn failed(request: u64, error: String) -> TokenItem {
-        TokenItem::failed_as(request, error, FailureClass::Attempt)
-    }
-
-    /// A failure item of the given class.
-    pub fn failed_as(request: u64, error: String, class: FailureClass) -> TokenItem {
+    /// The failure item of `error`.
+    pub fn failed(request: u64, error: &ServingError) -> TokenItem {
         TokenItem {
             request,
             token: None,
             logprob: 0.0,
             text: String::new(),
             finish: None,
-            error: Some(error),
+            error: Some(error.to_string()),
             cached_tokens: 0,
-            class,
+            class: error.class(),
+            code: error.code(),
         }
+    }
+
+    /// The failure an item reports, if any.
+    pub fn failure(&self) -> Option<ServingError> {
+        self.error.as_ref().map(|message| ServingError::Remote {
+            code: self.code,
+            class: self.class,
+            message: message.clone(),
+        })
     }
 }
 

@@ -15,7 +15,9 @@ use tokio::sync::mpsc;
 
 use super::{Cmd, stale};
 use crate::outbox::{Outbox, Outgoing};
-use crate::protocol::{FailureClass, Generate, LoadReport, PrefillPeer, TokenItem, TransferDone};
+use crate::protocol::{
+    FailureClass, Generate, LoadReport, PrefillPeer, ServingError, TokenItem, TransferDone,
+};
 
 /// What prefill must hear of a transfer decode ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,7 +237,7 @@ impl DecodeCore {
                 );
                 if let (Err(e), Some(peer)) = (&admissible, &generate.prefill) {
                     self.drop_bootstrap_half(peer);
-                    self.fail(seq, format!("decode admission: {e}"), items);
+                    self.fail(seq, ServingError::Admission(e.to_string()), items);
                     return;
                 }
                 match generate.prefill.clone() {
@@ -265,7 +267,7 @@ impl DecodeCore {
                 self.ready.remove(&node);
                 let refused = self.take_prealloc(|p| p.peer.node == node);
                 for p in refused {
-                    self.fail(p.seq, format!("decode prealloc: {error}"), items);
+                    self.fail(p.seq, ServingError::Prealloc(error.to_string()), items);
                     self.drop_bootstrap_half(&p.peer);
                 }
             }
@@ -315,14 +317,14 @@ impl DecodeCore {
                         .is_some_and(|t| t.attempt == attempt);
                     if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
                         self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
-                        self.fail_as(t.seq, f.error, f.class, items);
+                        self.fail(t.seq, f.to_error(), items);
                     } else if !self.settle(attempt) {
                         stale("failed");
                     }
                 } else {
                     let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
                     for p in gone {
-                        self.fail_as(p.seq, f.error.clone(), f.class, items);
+                        self.fail(p.seq, f.to_error(), items);
                     }
                 }
             }
@@ -360,22 +362,16 @@ impl DecodeCore {
             self.seqs.remove(&(router.clone(), generate.request));
             items.push((
                 router,
-                TokenItem::failed(generate.request, format!("decode admission: {e}")),
+                TokenItem::failed(generate.request, &ServingError::Admission(e.to_string())),
             ));
         }
     }
 
     /// Fails a request to its router (if it still has one).
-    pub(super) fn fail(&mut self, seq: u64, error: String, items: &mut Vec<(String, TokenItem)>) {
-        self.fail_as(seq, error, FailureClass::Attempt, items);
-    }
-
-    /// [`fail`](Self::fail) with a failure class.
-    pub(super) fn fail_as(
+    pub(super) fn fail(
         &mut self,
         seq: u64,
-        error: String,
-        class: FailureClass,
+        error: ServingError,
         items: &mut Vec<(String, TokenItem)>,
     ) {
         if let Some((root, phase)) = self.spans.remove(&seq) {
@@ -385,7 +381,7 @@ impl DecodeCore {
         self.first_tokens.remove(&seq);
         if let Some((router, request)) = self.owners.remove(&seq) {
             self.seqs.remove(&(router.clone(), request));
-            items.push((router, TokenItem::failed_as(request, error, class)));
+            items.push((router, TokenItem::failed(request, &error)));
         }
     }
 
@@ -421,6 +417,7 @@ impl DecodeCore {
                             error: None,
                             cached_tokens: ev.cached_tokens,
                             class: FailureClass::Attempt,
+                            code: Default::default(),
                         },
                     ));
                 }
@@ -439,7 +436,7 @@ impl DecodeCore {
                     .collect();
                 for seq in running {
                     let _ = self.runner.abort(seq);
-                    self.fail(seq, format!("decode step: {e}"), items);
+                    self.fail(seq, ServingError::Engine(format!("step: {e}")), items);
                 }
             }
         }

@@ -15,8 +15,8 @@ use super::engine_thread::{DecodeCore, Prealloc, Prefill, Transfer};
 use super::{receiver, stale};
 use crate::history;
 use crate::protocol::{
-    Abort, BOOTSTRAP_SERVICE, FailureClass, PreallocNotice, PrefillPeer, TokenItem, TransferDone,
-    kinds,
+    Abort, BOOTSTRAP_SERVICE, FailureClass, PreallocNotice, PrefillPeer, ServingError, TokenItem,
+    TransferDone, kinds,
 };
 
 impl DecodeCore {
@@ -41,12 +41,8 @@ impl DecodeCore {
                 continue;
             };
             self.end_transfer(&t, AbortReason::ConsumerFailure, Prefill::Stop);
-            self.fail_as(
-                t.seq,
-                "decode transfer: the KV receiver restarted (its connections closed)".into(),
-                FailureClass::Restart,
-                items,
-            );
+            let e = "decode transfer: the KV receiver restarted (its connections closed)";
+            self.fail(t.seq, ServingError::Restart(e.into()), items);
         }
         for &attempt in carried {
             self.settle(attempt);
@@ -156,7 +152,7 @@ impl DecodeCore {
             {
                 Ok(pages) => pages,
                 Err(e) => {
-                    self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                    self.fail(p.seq, ServingError::Prealloc(e.to_string()), items);
                     return true;
                 }
             };
@@ -202,7 +198,7 @@ impl DecodeCore {
             Ok(pages) => pages,
             Err(e) => {
                 let _ = alloc.release_all(&prefix);
-                self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                self.fail(p.seq, ServingError::Prealloc(e.to_string()), items);
                 return true;
             }
         };
@@ -214,7 +210,7 @@ impl DecodeCore {
             Err(e) => {
                 let _ = alloc.release_all(&prefix);
                 let _ = alloc.release_all(&pages);
-                self.fail(p.seq, format!("decode prealloc: {e}"), items);
+                self.fail(p.seq, ServingError::Prealloc(e.to_string()), items);
                 self.drop_bootstrap_half(&p.peer);
                 return true;
             }
@@ -293,12 +289,8 @@ impl DecodeCore {
                 "a writer still holds a complete transfer's claim"
             );
             self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
-            self.fail(
-                t.seq,
-                "decode transfer: a write was still landing after prefill's fence; not served"
-                    .into(),
-                items,
-            );
+            let e = "a write was still landing after prefill's fence";
+            self.fail(t.seq, ServingError::BadKv(e.into()), items);
             return;
         }
         if self.checksum
@@ -309,7 +301,7 @@ impl DecodeCore {
             metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
             tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
             self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
-            self.fail(t.seq, format!("decode transfer: {e}; not served"), items);
+            self.fail(t.seq, ServingError::BadKv(e), items);
             return;
         }
         let alloc = &mut self.runner.engine.pool.alloc;
@@ -385,6 +377,7 @@ impl DecodeCore {
                         error: None,
                         cached_tokens: ev.cached_tokens,
                         class: FailureClass::Attempt,
+                        code: Default::default(),
                     },
                 ));
                 if finished {
@@ -394,7 +387,7 @@ impl DecodeCore {
             }
             Err(e) => {
                 let _ = self.runner.engine.pool.alloc.release_all(&pages);
-                self.fail(t.seq, format!("decode admit: {e}"), items);
+                self.fail(t.seq, ServingError::Engine(format!("admit: {e}")), items);
             }
         }
     }
@@ -516,18 +509,22 @@ impl DecodeCore {
         let phase = if forget_peer { "unreachable" } else { "lost" };
         for t in self.take_transfers(node) {
             self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
-            self.fail(
-                t.seq,
-                format!("decode transfer: prefill {node} {phase}: {why}"),
-                items,
-            );
+            let e = ServingError::PeerLost {
+                phase: "transfer",
+                node: node.to_string(),
+                how: phase,
+                why: why.to_string(),
+            };
+            self.fail(t.seq, e, items);
         }
         for p in self.take_prealloc(|p| p.peer.node == node) {
-            self.fail(
-                p.seq,
-                format!("decode prealloc: prefill {node} {phase}: {why}"),
-                items,
-            );
+            let e = ServingError::PeerLost {
+                phase: "prealloc",
+                node: node.to_string(),
+                how: phase,
+                why: why.to_string(),
+            };
+            self.fail(p.seq, e, items);
             self.drop_bootstrap_half(&p.peer);
         }
     }
@@ -588,15 +585,11 @@ impl DecodeCore {
             if let Some(t) = self.transfers.remove(&k) {
                 self.end_transfer(&t, AbortReason::Timeout, Prefill::Stop);
                 let limit = self.transfer_timeout;
-                self.fail_as(
-                    t.seq,
-                    format!(
-                        "decode transfer: no progress for {limit:?} (prefill {} computed and wrote nothing for it)",
-                        t.peer.node
-                    ),
-                    FailureClass::Stalled,
-                    items,
-                );
+                let e = ServingError::Stalled {
+                    limit,
+                    node: t.peer.node.clone(),
+                };
+                self.fail(t.seq, e, items);
             }
         }
         let late: Vec<u64> = self
@@ -608,11 +601,7 @@ impl DecodeCore {
         for seq in late {
             self.abort_seq(seq, AbortReason::Timeout);
             let limit = self.transfer_timeout;
-            self.fail(
-                seq,
-                format!("decode prealloc: no pages for the prompt within {limit:?}"),
-                items,
-            );
+            self.fail(seq, ServingError::NoPages(limit), items);
         }
     }
 }

@@ -15,7 +15,7 @@ use super::sender::{Job, SenderHub, Target};
 use super::{Cmd, Holding};
 use crate::outbox::Outbox;
 use crate::protocol::{
-    AbortAck, FailureClass, LoadReport, PrefillStart, TransferDone, TransferFailed, WORKER_SERVICE,
+    AbortAck, LoadReport, PrefillStart, ServingError, TransferDone, TransferFailed, WORKER_SERVICE,
     kinds,
 };
 
@@ -112,20 +112,12 @@ impl PrefillCore {
                 let decode = start.request.decode.clone();
                 let room = start.notice.room;
                 let ps = self.runner.engine.options().page_size;
-                let fail_as = |me: &Self, error: String, class: FailureClass| {
-                    me.outbox.send(
-                        &decode,
-                        WORKER_SERVICE,
-                        kinds::FAILED,
-                        &TransferFailed {
-                            room,
-                            attempt: Some(start.notice.attempt),
-                            error,
-                            class,
-                        },
-                    );
+                let fail_with = |me: &Self, error: ServingError| {
+                    let failed = TransferFailed::new(room, Some(start.notice.attempt), &error);
+                    me.outbox
+                        .send(&decode, WORKER_SERVICE, kinds::FAILED, &failed);
                 };
-                let fail = |me: &Self, error: String| fail_as(me, error, FailureClass::Attempt);
+                let fail = |me: &Self, error: String| fail_with(me, ServingError::Prefill(error));
                 if start
                     .notice
                     .prefill_incarnation
@@ -133,12 +125,8 @@ impl PrefillCore {
                 {
                     // Decode closes what it noticed to an earlier worker when it hears of this
                     // one: writing it now could land in pages already given back.
-                    return fail_as(
-                        self,
-                        "prefill bootstrap: the notice was for an earlier prefill worker (it restarted)"
-                            .into(),
-                        FailureClass::Restart,
-                    );
+                    let e = "prefill bootstrap: the notice was for an earlier prefill worker (it restarted)";
+                    return fail_with(self, ServingError::Restart(e.into()));
                 }
                 let n = start.request.prompt.len();
                 let skip = start.notice.decode_prefix_len / ps;
@@ -146,7 +134,7 @@ impl PrefillCore {
                     || skip + start.notice.pages.len() != n.div_ceil(ps)
                 {
                     let e = format!(
-                        "prefill: the notice's {} pages after a prefix of {} do not fit a prompt of {n} tokens",
+                        "notice: its {} pages after a prefix of {} do not fit a prompt of {n} tokens",
                         start.notice.pages.len(),
                         start.notice.decode_prefix_len
                     );
@@ -155,7 +143,7 @@ impl PrefillCore {
                 let alloc = &mut self.runner.engine.pool.alloc;
                 let key = match self.ledger.open(room, &decode, Vec::new(), false, alloc) {
                     Ok(k) => k,
-                    Err(e) => return fail(self, format!("prefill: {e}")),
+                    Err(e) => return fail(self, format!("ledger: {e}")),
                 };
                 if let Err(e) = self.runner.scheduler.submit_prefill(
                     seq,
@@ -167,7 +155,7 @@ impl PrefillCore {
                         .ledger
                         .abort(key, AbortReason::ProducerFailure, 0, alloc);
                     let _ = self.ledger.drained(key, alloc);
-                    return fail(self, format!("prefill admission: {e}"));
+                    return fail(self, format!("admission: {e}"));
                 }
                 self.rooms.insert((decode.clone(), room), seq);
                 let span = tracing::info_span!(
@@ -243,18 +231,14 @@ impl PrefillCore {
                 }
             }
             Cmd::SendFailed { seq, error } => {
-                self.abort_flight(
-                    seq,
-                    AbortReason::ConsumerFailure,
-                    Some((error, FailureClass::Attempt)),
-                );
+                let e = ServingError::Prefill(format!("transfer: {error}"));
+                self.abort_flight(seq, AbortReason::ConsumerFailure, Some(e));
             }
             // Every flight may have had jobs in the lost queue: each drains through the new
             // thread (its fence covers what that thread wrote; the old one is joined).
-            Cmd::SenderRestarted => self.fail_all_as(
+            Cmd::SenderRestarted => self.fail_all(ServingError::Restart(
                 "prefill transfer: the KV sender restarted".into(),
-                FailureClass::Restart,
-            ),
+            )),
             Cmd::Shutdown => {}
         }
     }
@@ -265,7 +249,7 @@ impl PrefillCore {
         &mut self,
         seq: u64,
         reason: AbortReason,
-        failed: Option<(String, FailureClass)>,
+        failed: Option<ServingError>,
     ) {
         let now = self.epoch.elapsed().as_millis() as u64;
         let Some(f) = self.flights.get_mut(&seq) else {
@@ -299,7 +283,7 @@ impl PrefillCore {
             .plan(&mut self.runner.engine.pool.alloc, &mut self.runner.cache)
         {
             Ok(p) => p,
-            Err(e) => return self.fail_all(format!("prefill plan: {e}")),
+            Err(e) => return self.fail_all(ServingError::Prefill(format!("plan: {e}"))),
         };
         if plan.items.is_empty() {
             return;
@@ -353,7 +337,7 @@ impl PrefillCore {
         };
         let logits = match logits {
             Ok(l) => l,
-            Err(e) => return self.fail_all(format!("prefill step: {e}")),
+            Err(e) => return self.fail_all(ServingError::Prefill(format!("step: {e}"))),
         };
         let compute_end = Instant::now();
         drop(chunk_spans);
@@ -385,7 +369,7 @@ impl PrefillCore {
             &mut self.runner.cache,
         ) {
             Ok(e) => e,
-            Err(e) => return self.fail_all(format!("prefill commit: {e}")),
+            Err(e) => return self.fail_all(ServingError::Prefill(format!("commit: {e}"))),
         };
         for ev in events {
             let (Some(sampler), Some(f)) = (ev.handoff, self.flights.get(&ev.seq)) else {
@@ -444,19 +428,12 @@ impl PrefillCore {
         Some((Self::target(f), runs, upto - f.skip))
     }
 
-    pub(super) fn fail_all(&mut self, error: String) {
-        self.fail_all_as(error, FailureClass::Attempt);
-    }
-
-    pub(super) fn fail_all_as(&mut self, error: String, class: FailureClass) {
+    /// Fails every flight with `error` (an engine step that cannot run, a sender restart).
+    pub(super) fn fail_all(&mut self, error: ServingError) {
         tracing::error!(%error, "prefill failed");
         let seqs: Vec<u64> = self.flights.keys().copied().collect();
         for seq in seqs {
-            self.abort_flight(
-                seq,
-                AbortReason::ProducerFailure,
-                Some((error.clone(), class)),
-            );
+            self.abort_flight(seq, AbortReason::ProducerFailure, Some(error.clone()));
         }
     }
 

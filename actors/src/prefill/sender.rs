@@ -18,7 +18,7 @@ use crate::handoff::HandOff;
 use crate::history;
 use crate::outbox::Outbox;
 use crate::protocol::{
-    AbortAck, ChunkWritten, FailureClass, RunChecksum, TransferDone, TransferFailed,
+    AbortAck, ChunkWritten, RunChecksum, ServingError, TransferDone, TransferFailed,
     WORKER_SERVICE, kinds,
 };
 
@@ -46,7 +46,7 @@ pub(super) enum Job {
     Drain {
         seq: u64,
         to: Target,
-        failed: Option<(String, FailureClass)>,
+        failed: Option<ServingError>,
     },
 }
 
@@ -416,16 +416,11 @@ impl KvSender {
                     }
                     self.progress.remove(&to.attempt);
                     match failed {
-                        Some((error, class)) => self.outbox.send(
+                        Some(error) => self.outbox.send(
                             &to.node,
                             WORKER_SERVICE,
                             kinds::FAILED,
-                            &TransferFailed {
-                                room: to.room,
-                                attempt: Some(to.attempt),
-                                error: format!("prefill transfer: {error}"),
-                                class,
-                            },
+                            &TransferFailed::new(to.room, Some(to.attempt), &error),
                         ),
                         None => self.outbox.send(
                             &to.node,

@@ -22,7 +22,7 @@ use tracing::Instrument;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use super::policy::{AfterFailure, AfterStartFailure, AttemptPolicy};
 use super::{Placement, RouterShared, Started};
-use crate::protocol::{FailureClass, TokenItem};
+use crate::protocol::{ServingError, TokenItem};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -438,12 +438,12 @@ impl Generation {
 
     /// Starts the next attempt after `error` (of `class`) ended the current one; `Err` when
     /// there is none.
-    async fn next_attempt(&mut self, error: &str, class: FailureClass) -> Result<(), String> {
+    async fn next_attempt(&mut self, error: ServingError) -> Result<(), ServingError> {
         let Some(old) = self.current.as_ref() else {
-            return Err(error.to_string());
+            return Err(error);
         };
         let decision = self.policy.failed(
-            class,
+            error.class(),
             self.generated.len(),
             &old.worker,
             old.prefill.as_deref(),
@@ -454,7 +454,7 @@ impl Generation {
             migration,
         } = decision
         else {
-            return Err(error.to_string());
+            return Err(error);
         };
         if !pause.is_zero() {
             tokio::time::sleep(pause).await;
@@ -489,7 +489,11 @@ impl Generation {
             deadline,
         )
         .await
-        .map_err(|e| format!("{error}; another attempt failed: {e}"))?;
+        .map_err(|e| ServingError::Remote {
+            code: error.code(),
+            class: error.class(),
+            message: format!("{error}; another attempt failed: {e}"),
+        })?;
         if migration {
             metrics::counter!(m::ROUTER_MIGRATIONS, "outcome" => "started").increment(1);
         } else {
@@ -500,7 +504,7 @@ impl Generation {
     }
 
     /// The next item; `Err` ends the request with that cause.
-    async fn next(&mut self) -> Option<Result<TokenItem, String>> {
+    async fn next(&mut self) -> Option<Result<TokenItem, ServingError>> {
         if self.finished {
             return None;
         }
@@ -509,18 +513,22 @@ impl Generation {
             let started = self.current.as_mut()?;
             let item = match tokio::time::timeout(timeout, started.rx.recv()).await {
                 Ok(Some(item)) => item,
-                Ok(None) => TokenItem::failed(started.request, "the worker stream closed".into()),
+                Ok(None) => TokenItem::failed(
+                    started.request,
+                    &ServingError::WorkerLost {
+                        worker: started.worker.clone(),
+                        cause: "its stream closed".into(),
+                    },
+                ),
                 Err(_) => {
                     self.finished = true;
                     let request = started.request;
                     self.shared.cancel(request);
-                    return Some(Err(format!(
-                        "decode: no token within the request timeout of {timeout:?}"
-                    )));
+                    return Some(Err(ServingError::Timeout(timeout)));
                 }
             };
-            if let Some(error) = item.error.clone() {
-                match self.next_attempt(&error, item.class).await {
+            if let Some(error) = item.failure() {
+                match self.next_attempt(error).await {
                     Ok(()) => continue,
                     Err(e) => {
                         self.finished = true;
@@ -648,7 +656,11 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
                 }
                 finish = item.finish.or(finish);
             }
-            Err(e) => return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e).into_response(),
+            Err(e) => {
+                return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                    .code(e.code().name())
+                    .into_response();
+            }
         }
     }
     let usage = json!({
@@ -786,7 +798,7 @@ fn stream_response(
                         }
                     }
                     Some(Err(cause)) => {
-                        let err = json!({"error": {"message": cause, "type": "server_error", "param": null, "code": null}});
+                        let err = json!({"error": {"message": cause.to_string(), "type": "server_error", "param": null, "code": cause.code().name()}});
                         out.push(Ok(Event::default().event("error").data(err.to_string())));
                         out.push(Ok(Event::default().data("[DONE]")));
                         st.done = true;

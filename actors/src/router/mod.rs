@@ -35,13 +35,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::protocol::{
-    Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, FailureClass, Generate, LoadReport, PrefillPeer,
-    PrefillRequest, ROUTER_SERVICE, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
+    Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
+    ROUTER_SERVICE, ServingError, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
 };
 use crate::settings::ServingConfig;
-
-/// Why [`RouterShared::resync`] ended an attempt (its request starts another, free of charge).
-const RESYNC: &str = "router: the router actor restarted";
 
 /// A load report older than this no longer counts: the worker is not routed to.
 const LOAD_STALE: Duration = Duration::from_secs(3);
@@ -408,11 +405,8 @@ impl RouterShared {
     fn resync(&self) {
         let lost: Vec<(u64, Pending)> = self.lock_pending().drain().collect();
         for (request, p) in lost {
-            let _ = p.tx.send(TokenItem::failed_as(
-                request,
-                RESYNC.to_string(),
-                FailureClass::RouterRestart,
-            ));
+            let _ =
+                p.tx.send(TokenItem::failed(request, &ServingError::RouterRestart));
             self.send_cancel(p.worker, request);
         }
     }
@@ -427,10 +421,11 @@ impl RouterShared {
             .collect();
         for id in lost {
             if let Some(p) = pending.remove(&id) {
-                let _ = p.tx.send(TokenItem::failed(
-                    id,
-                    format!("worker {worker} lost: {cause}"),
-                ));
+                let lost = ServingError::WorkerLost {
+                    worker: worker.to_string(),
+                    cause: cause.to_string(),
+                };
+                let _ = p.tx.send(TokenItem::failed(id, &lost));
             }
         }
     }

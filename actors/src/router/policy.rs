@@ -8,6 +8,7 @@
 //!   failed(class, tokens so far) ──► Retry { pause, placement, migration }  or  GiveUp
 //!     free:  the router's own restart; a restart under the attempt (at most 50, 100 ms apart);
 //!            an attempt that streamed tokens (it made progress)
+//!     never: a fatal failure (the request can never be served): it ends at once
 //!     costs: anything else, one of `serving.retries` (a request that kills every worker it
 //!            meets is bounded); a stalled prefill worker is avoided from then on
 //!   start_failed(unavailable, now, deadline) ──► Wait(pause) | Retry(pause) | GiveUp
@@ -119,7 +120,7 @@ impl AttemptPolicy {
         prefill: Option<&str>,
     ) -> AfterFailure {
         let migrating = generated > 0;
-        if migrating && !self.migration {
+        if class == FailureClass::Fatal || (migrating && !self.migration) {
             return AfterFailure::GiveUp;
         }
         let refused = class == FailureClass::Restart && self.refusals < MAX_REFUSALS;
@@ -224,6 +225,21 @@ mod tests {
         assert_eq!(
             p.failed(FailureClass::Attempt, 0, "d0", Some("p0")),
             AfterFailure::GiveUp
+        );
+    }
+
+    #[test]
+    fn a_fatal_failure_is_never_retried() {
+        let mut p = AttemptPolicy::new(5, None, true);
+        p.started("d0", Some("p0"));
+        assert_eq!(
+            p.failed(FailureClass::Fatal, 0, "d0", Some("p0")),
+            AfterFailure::GiveUp
+        );
+        assert_eq!(
+            p.failed(FailureClass::Fatal, 3, "d0", Some("p0")),
+            AfterFailure::GiveUp,
+            "nor migrated"
         );
     }
 
