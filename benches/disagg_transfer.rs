@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
-use duet_engine::{Model, fetch};
+use duet_engine::Model;
+use duet_fetch as fetch;
 use serde_json::json;
 
 const CHUNK: usize = 256;

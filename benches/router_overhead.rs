@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
+use duet_fetch as fetch;
 use duet_runtime::admin::client::{Method, exchange};
 use tokio::io::{AsyncBufReadExt, BufReader};
 

@@ -192,8 +192,8 @@ fn main() {
         .expect("runtime");
     let real = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("models")
-        .join(duet_engine::fetch::MODEL_FILE);
-    let real = duet_engine::fetch::ensure_model(&real, &mut |_| {}).expect("the real model");
+        .join(duet_fetch::MODEL_FILE);
+    let real = duet_fetch::ensure_model(&real, &mut |_| {}).expect("the real model");
     let modes = [Mode::Off, Mode::All, Mode::OnePercent];
     for (model, label, reps) in [
         (tiny.as_path(), "tiny model", REPS),

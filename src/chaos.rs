@@ -497,8 +497,7 @@ fn reference(
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> Result<Vec<String>, String> {
-    let path =
-        duet_engine::fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?;
+    let path = duet_fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?;
     let model = Model::open(&path).map_err(|e| e.to_string())?;
     let max_context = model.config.context_length;
     let engine = Engine::new(

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use clap::Args;
 use duet_engine::chat::Message;
-use duet_engine::fetch::{self, Progress};
 use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
+use duet_fetch::{self as fetch, Progress};
 use duet_gpu::KvDtype;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;

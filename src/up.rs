@@ -156,7 +156,7 @@ pub async fn run(config_path: &Path) -> ExitCode {
     let missing_model = duet_actors::settings::ServingConfig::from_cluster(&config)
         .ok()
         .map(|s| s.model)
-        .filter(|m| !m.exists() && m.ends_with(duet_engine::fetch::MODEL_FILE));
+        .filter(|m| !m.exists() && m.ends_with(duet_fetch::MODEL_FILE));
     if let Some(model) = missing_model
         && let Err(e) = crate::generate::fetch_into(&model)
     {

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use duet_engine::sampling::Sampled;
 use duet_engine::scheduler::Resume;
-use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams, fetch};
+use duet_engine::{Engine, EngineOptions, Model, Runner, SamplingParams};
+use duet_fetch as fetch;
 use duet_gpu::KvDtype;
 use duet_transport::{
     Backend, ClaimTable, Endpoint, Grants, LocalRegistration, Revocation, coalesce, connect,

@@ -173,7 +173,7 @@ impl ServingConfig {
         let model = match &s.model {
             Some(p) if PathBuf::from(p).is_absolute() => PathBuf::from(p),
             Some(p) => dir.join(p),
-            None => dir.join("models").join(duet_engine::fetch::MODEL_FILE),
+            None => dir.join("models").join(duet_fetch::MODEL_FILE),
         };
         let http = match &s.http {
             None => SocketAddr::from(([127, 0, 0, 1], 8000)),

@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_engine::{Engine, EngineOptions, Model, fetch};
+use duet_engine::{Engine, EngineOptions, Model};
+use duet_fetch as fetch;
 use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
 use duet_runtime::metrics as m;

@@ -5,7 +5,8 @@
 
 use std::time::Instant;
 
-use duet_engine::{Engine, EngineOptions, Model, SeqChunk, fetch};
+use duet_engine::{Engine, EngineOptions, Model, SeqChunk};
+use duet_fetch as fetch;
 use duet_gpu::KvDtype;
 
 fn main() {

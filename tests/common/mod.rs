@@ -19,8 +19,8 @@ use tokio::process::{Child, Command};
 pub fn real_model() -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("models")
-        .join(duet_engine::fetch::MODEL_FILE);
-    duet_engine::fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
+        .join(duet_fetch::MODEL_FILE);
+    duet_fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
 }
 
 /// One `/v1/completions` request through curl (a real HTTP client): the status and the body

@@ -19,11 +19,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use duet_engine::SamplingParams;
 use duet_engine::chat::ChatTemplate;
 use duet_engine::gguf::Gguf;
 use duet_engine::scheduler::Resume;
 use duet_engine::tokenizer::Tokenizer;
-use duet_engine::{SamplingParams, fetch};
+use duet_fetch as fetch;
 use duet_runtime::context::NodeContext;
 use duet_runtime::link::LinkError;
 use duet_runtime::membership::MembershipEvent;

@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use duet_engine::{Engine, SeqChunk, fetch};
+use duet_engine::{Engine, SeqChunk};
+use duet_fetch as fetch;
 use serde_json::Value;
 
 /// The real model's path, fetched on first use (as every command that needs it does).

