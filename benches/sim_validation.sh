@@ -2,7 +2,7 @@
 # Validates the planner against the real thing, same load, same machine: a default cluster
 # (router + p0 + d0, default [serving], the real model, release build) under `duet bench` at
 # three Poisson rates, then `duet sim` with the same workers, rates, lengths and request
-# counts, with the cost profile `duet sim --calibrate` measures first on this machine.
+# counts, with the cost profile `duet sim --calibrate --url` measures first on this machine.
 #
 #   benches/sim_validation.sh [SECONDS_PER_RATE] [RATES...]     (default 60; 0.5 1.5 2.5)
 #
@@ -21,7 +21,6 @@ model=$(realpath "$model")
 dir=$(mktemp -d)
 up=
 trap '[ -n "$up" ] && kill "$up" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir"' EXIT
-"$duet" sim --calibrate --model "$model" --out "$dir/profile.json" > "$dir/calibrate.out"
 read -r http r p d < <(python3 - <<'PY'
 import socket
 socks = [socket.socket() for _ in range(4)]
@@ -56,14 +55,17 @@ DUET_LOG=warn "$duet" up --config "$dir/cluster.toml" > "$dir/up.out" 2> "$dir/u
 up=$!
 for _ in $(seq 1 120); do grep -q '^ready' "$dir/up.out" 2>/dev/null && break; sleep 1; done
 grep -q '^ready' "$dir/up.out" || { echo "the cluster did not start"; tail -20 "$dir/up.err"; exit 1; }
-# Warm up (first requests fault pages in).
-"$duet" bench --url "http://127.0.0.1:$http" --concurrency 2 --duration 5 > /dev/null
+# The cost profile: the engine measured in this process, and a request's fixed cost beyond
+# it measured on the live cluster (sequential requests, nothing else running).
+"$duet" sim --calibrate --model "$model" --url "http://127.0.0.1:$http" \
+  --out "$dir/profile.json" > "$dir/calibrate.out"
+grep -E "request path|memory copy|one machine" "$dir/calibrate.out"
 for rate in "${rates[@]}"; do
   "$duet" bench --url "http://127.0.0.1:$http" --rate "$rate" --duration "$secs" \
     --prompt-len 128 --output-len 64 --json "$dir/bench-$rate.json" > /dev/null
   n=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['requests'])" "$dir/bench-$rate.json")
   "$duet" sim --prefill 1 --decode 1 --rate "$rate" --requests "$n" --prompt-len 128 \
-    --output-len 64 --profile "$dir/profile.json" --json "$dir/sim-$rate.json" > /dev/null
+    --output-len 64 --one-host --profile "$dir/profile.json" --json "$dir/sim-$rate.json" > /dev/null
 done
 python3 - "$dir" "${rates[@]}" <<'PY'
 import json, sys

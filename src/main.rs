@@ -145,7 +145,7 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
         Command::Credentials { config } => credentials(&config),
         Command::Bench(args) => bench::run(args).await,
-        Command::Sim(args) => sim::run(args),
+        Command::Sim(args) => sim::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
         Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
             ExitCode::SUCCESS

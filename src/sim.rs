@@ -54,6 +54,10 @@ pub struct SimArgs {
     /// ... and whose mean time per output token is at most this (ms).
     #[arg(long)]
     slo_itl_ms: Option<f64>,
+    /// Every worker runs on this one machine (as `duet up` starts them): prefill and decode
+    /// computing at once slow each other by the profile's measured factors.
+    #[arg(long)]
+    one_host: bool,
     /// Write the summary (or the sweep) as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -85,12 +89,19 @@ pub struct SimArgs {
     /// Compute threads per worker for `--calibrate` (`serving.threads`).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// With `--calibrate`: a running cluster's router, to measure a request's fixed cost
+    /// beyond the engine (sequential requests, nothing else running).
+    #[arg(long)]
+    url: Option<String>,
 }
 
 /// Runs `duet sim`.
-pub fn run(args: SimArgs) -> ExitCode {
+pub async fn run(args: SimArgs) -> ExitCode {
     let result = if args.calibrate {
-        calibrate(&args)
+        match tokio::task::block_in_place(|| calibrate(&args)) {
+            Ok(cost) => measure_request_cost(&args, cost).await,
+            Err(e) => Err(e),
+        }
     } else if args.explore {
         run_explore(&args)
     } else {
@@ -179,6 +190,7 @@ fn plan_config(args: &SimArgs) -> Result<SimConfig, String> {
         cfg.requests = list.len();
         cfg.trace = Some(list);
     }
+    cfg.one_host = args.one_host;
     cfg.slo_ttft_us = args.slo_ttft_ms.map(|ms| (ms * 1e3) as u64);
     cfg.slo_itl_us = args.slo_itl_ms.map(|ms| (ms * 1e3) as u64);
     let longest = cfg.prompt_tokens.1 + cfg.output_tokens.1;
@@ -314,7 +326,7 @@ type Sample = (f64, f64, f64, f64);
 
 /// Measures the engine (prefill chunks and decode steps at several sizes) and a memory
 /// copy, fits the cost model's coefficients, and writes the profile.
-fn calibrate(args: &SimArgs) -> Result<ExitCode, String> {
+fn calibrate(args: &SimArgs) -> Result<CostModel, String> {
     let path = crate::generate::resolve_model(args.model.as_deref())?;
     let threads = args.threads.max(1);
     let open = |max_batch_tokens: usize| -> Result<Runner, String> {
@@ -401,6 +413,7 @@ fn calibrate(args: &SimArgs) -> Result<ExitCode, String> {
             median,
         ));
     }
+    let (shared_prefill, shared_decode) = contention(&open, &prompt)?;
     let gbps = copy_gbps();
     let [p_base, p_tok, p_attn] = fit(&prefill, |&(n, ctx, _, _)| [1.0, n, n * (ctx + n / 2.0)]);
     let [d_base, d_seq, d_fit_ctx] = fit(&decode, |&(b, ctx, _, _)| [1.0, b, ctx]);
@@ -438,6 +451,8 @@ fn calibrate(args: &SimArgs) -> Result<ExitCode, String> {
             .filter(|d| d.1 / d.0 < 200.0)
             .map(|&(b, ctx, _, us)| [b, ctx / b, us])
             .collect(),
+        shared_prefill_slowdown: shared_prefill.max(1.0),
+        shared_decode_slowdown: shared_decode.max(1.0),
         kv_bytes_per_token,
         link_gbps: gbps,
         ..CostModel::default()
@@ -452,7 +467,136 @@ fn calibrate(args: &SimArgs) -> Result<ExitCode, String> {
         let m = cost.decode_step_us(b as usize, ctx as usize) as f64;
         println!("  {b:>5} {ctx:>6} {:>9.1} {:>9.1}", us / 1e3, m / 1e3);
     }
+    println!(
+        "on one machine at once: prefill chunks x{shared_prefill:.2}, decode steps \
+         x{shared_decode:.2} (each measured beside the other)"
+    );
     println!("memory copy: {gbps:.1} GB/s; KV {kv_bytes_per_token} bytes per token");
+    Ok(cost)
+}
+
+/// How much a prefill chunk (128 tokens) and a decode step (batch 4) slow each other down
+/// when they run at once on this machine, as a prefill and a decode worker of `duet up` do:
+/// (prefill with decode running / alone, decode with prefill running / alone).
+fn contention(
+    open: &(dyn Fn(usize) -> Result<Runner, String> + Sync),
+    prompt: &(dyn Fn(usize, usize) -> Vec<u32> + Sync),
+) -> Result<(f64, f64), String> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let prefill_once = |salt: usize| -> Result<f64, String> {
+        let mut r = open(128)?;
+        let params = SamplingParams {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        r.submit(0, prompt(128, salt), params)
+            .map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        r.step().map_err(|e| e.to_string())?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let alone_p = median((0..5).map(prefill_once).collect::<Result<_, _>>()?);
+    let (stop, beside, warm) = (
+        AtomicBool::new(false),
+        AtomicBool::new(false),
+        AtomicUsize::new(0),
+    );
+    let mut decoder = open(4096)?;
+    let params = SamplingParams {
+        max_tokens: 100_000,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    for s in 0..4 {
+        decoder
+            .submit(s, prompt(128, s as usize + 50), params.clone())
+            .map_err(|e| e.to_string())?;
+    }
+    let (shared_p, alone_d, shared_d) = std::thread::scope(|scope| {
+        let decoding = scope.spawn(|| {
+            let (mut alone, mut shared) = (Vec::new(), Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                let during = beside.load(Ordering::Relaxed);
+                let t = Instant::now();
+                if decoder.step().is_err() {
+                    break;
+                }
+                let dt = t.elapsed().as_secs_f64();
+                // The first steps prefill the prompts and warm up.
+                if warm.fetch_add(1, Ordering::Relaxed) >= 4 {
+                    if during && beside.load(Ordering::Relaxed) {
+                        shared.push(dt);
+                    } else if !during {
+                        alone.push(dt);
+                    }
+                }
+            }
+            (alone, shared)
+        });
+        while warm.load(Ordering::Relaxed) < 24 {
+            std::thread::yield_now();
+        }
+        beside.store(true, Ordering::Relaxed);
+        let shared_p: Result<Vec<f64>, String> = (5..10).map(prefill_once).collect();
+        beside.store(false, Ordering::Relaxed);
+        let seen = warm.load(Ordering::Relaxed);
+        while warm.load(Ordering::Relaxed) < seen + 20 {
+            std::thread::yield_now();
+        }
+        stop.store(true, Ordering::Relaxed);
+        let (alone, shared) = decoding.join().unwrap_or_default();
+        (shared_p, alone, shared)
+    });
+    let shared_p = median(shared_p?);
+    let (alone_d, shared_d) = (median(alone_d), median(shared_d));
+    if alone_p <= 0.0 || alone_d <= 0.0 || shared_d <= 0.0 {
+        return Ok((1.0, 1.0));
+    }
+    Ok((shared_p / alone_p, shared_d / alone_d))
+}
+
+/// With `--url`: a request's fixed cost beyond the engine, from the median time to first
+/// token of sequential 128-token prompts on the live cluster; then writes the profile.
+async fn measure_request_cost(args: &SimArgs, mut cost: CostModel) -> Result<ExitCode, String> {
+    if let Some(url) = &args.url {
+        let addr = crate::bench::parse_url(url)?;
+        let epoch = Instant::now();
+        let mut ttfts = Vec::new();
+        for i in 0..12u32 {
+            let ask = crate::bench::client::Ask {
+                prompt: (0..128).map(|t| 20 + (t * 31 + i * 7) % 230).collect(),
+                max_tokens: 2,
+                class: "calibrate",
+                until: None,
+            };
+            let rec = crate::bench::client::stream_completion(addr, &ask, epoch).await;
+            if let Some(e) = rec.error {
+                return Err(format!("--url {url}: {e}"));
+            }
+            // The first two warm the path up.
+            if i >= 2
+                && let Some(t) = rec.ttft_s
+            {
+                ttfts.push(t * 1e6);
+            }
+        }
+        ttfts.sort_by(f64::total_cmp);
+        let median = ttfts.get(ttfts.len() / 2).copied().unwrap_or(0.0);
+        let engine = cost.prefill_chunk_us(128, 0) as f64;
+        cost.prefill_request_us = (median - engine).max(0.0);
+        println!(
+            "request path: time to first token {:.1} ms alone, engine prefill {:.1} ms: {:.1} ms \
+             per request beyond the engine",
+            median / 1e3,
+            engine / 1e3,
+            cost.prefill_request_us / 1e3
+        );
+    }
     let text = serde_json::to_string_pretty(&cost).map_err(|e| e.to_string())?;
     std::fs::write(&args.out, text + "\n")
         .map_err(|e| format!("cannot write {}: {e}", args.out.display()))?;

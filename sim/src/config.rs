@@ -138,6 +138,9 @@ pub struct SimConfig {
     pub tick_us: u64,
     /// The engine and the wire.
     pub cost: CostModel,
+    /// Every worker shares one machine (as `duet up` runs a cluster): prefill and decode
+    /// computing at once slow each other down (the profile's `shared_*_slowdown`).
+    pub one_host: bool,
     /// Faults.
     pub faults: Faults,
     /// Bugs switched back on (tests only).
@@ -186,6 +189,7 @@ impl SimConfig {
                 link_gbps: 10.0,
                 ..CostModel::default()
             },
+            one_host: false,
             faults: Faults::chaos(),
             mutations: Mutations::default(),
             slo_ttft_us: None,
@@ -220,6 +224,7 @@ impl SimConfig {
             backstop_us: u64::MAX / 4,
             tick_us: 0,
             cost: CostModel::default(),
+            one_host: false,
             faults: Faults::none(),
             mutations: Mutations::default(),
             slo_ttft_us: None,

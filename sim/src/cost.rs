@@ -17,6 +17,11 @@ pub struct CostModel {
     pub source: String,
     /// Fixed cost of one prefill chunk (µs).
     pub prefill_base_us: f64,
+    /// Fixed cost of one request on its prefill worker beyond the engine (µs): the HTTP and
+    /// link hops, bootstrap, the notice, checksums. `--calibrate --url` measures it on a live
+    /// cluster (time to first token alone minus the engine's prefill).
+    #[serde(default)]
+    pub prefill_request_us: f64,
     /// Cost per prompt token computed (µs).
     pub prefill_token_us: f64,
     /// Cost per (token computed × token attended) pair (µs): attention's quadratic part.
@@ -33,6 +38,13 @@ pub struct CostModel {
     /// `decode_ctx_us` accounts for context beyond the measured one.
     #[serde(default)]
     pub decode_table: Vec<[f64; 3]>,
+    /// When workers share one machine's cores and memory (`duet up` on one host), a prefill
+    /// chunk computed while a decode step runs takes this many times longer.
+    #[serde(default = "one")]
+    pub shared_prefill_slowdown: f64,
+    /// ... and a decode step run while a prefill chunk computes.
+    #[serde(default = "one")]
+    pub shared_decode_slowdown: f64,
     /// KV bytes per token (all layers, K and V).
     pub kv_bytes_per_token: u64,
     /// Transfer bandwidth between a prefill and a decode worker (GB/s).
@@ -41,6 +53,10 @@ pub struct CostModel {
     pub message_us: f64,
     /// Fixed cost of one KV write (µs): a claim, a syscall, a frame header.
     pub write_base_us: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl Default for CostModel {
@@ -52,6 +68,7 @@ impl Default for CostModel {
                      2026-12-01)"
                 .into(),
             prefill_base_us: 4_000.0,
+            prefill_request_us: 0.0,
             prefill_token_us: 1_970.0,
             prefill_attn_us: 2.3,
             decode_base_us: 1_300.0,
@@ -65,6 +82,8 @@ impl Default for CostModel {
                 [16.0, 138.0, 67_400.0],
                 [32.0, 138.0, 121_200.0],
             ],
+            shared_prefill_slowdown: 1.0,
+            shared_decode_slowdown: 1.0,
             kv_bytes_per_token: 23_040,
             link_gbps: 45.0,
             message_us: 150.0,
@@ -122,6 +141,7 @@ impl CostModel {
     fn check(&self) -> Result<(), &'static str> {
         let fields = [
             ("prefill_base_us", self.prefill_base_us),
+            ("prefill_request_us", self.prefill_request_us),
             ("prefill_token_us", self.prefill_token_us),
             ("prefill_attn_us", self.prefill_attn_us),
             ("decode_base_us", self.decode_base_us),
@@ -130,6 +150,14 @@ impl CostModel {
             ("message_us", self.message_us),
             ("write_base_us", self.write_base_us),
         ];
+        for (name, v) in [
+            ("shared_prefill_slowdown", self.shared_prefill_slowdown),
+            ("shared_decode_slowdown", self.shared_decode_slowdown),
+        ] {
+            if !v.is_finite() || v < 1.0 {
+                return Err(name);
+            }
+        }
         for (name, v) in fields {
             if !v.is_finite() || v < 0.0 {
                 return Err(name);

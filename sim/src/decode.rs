@@ -612,12 +612,16 @@ impl World {
                 batch.push((*k, 0));
             }
         }
-        let cost = if seqs > 0 {
+        let mut cost = if seqs > 0 {
             self.cfg.cost.decode_step_us(seqs, ctx)
         } else {
             0
         } + prefill_cost;
+        if self.cfg.one_host && self.computing.0 > 0 {
+            cost = (cost as f64 * self.cfg.cost.shared_decode_slowdown) as u64;
+        }
         dn.step = Some(batch);
+        self.computing.1 += 1;
         let me = self.dnode(d);
         let inc = self.procs[me].inc;
         self.at(self.now + cost.max(1), Ev::Step(me, inc));
@@ -628,6 +632,7 @@ impl World {
         let Some(batch) = self.decodes[d].step.take() else {
             return;
         };
+        self.computing.1 -= 1;
         let seed = self.seed;
         let mut out: BTreeMap<NodeId, Vec<Token>> = BTreeMap::new();
         let mut done = Vec::new();
@@ -671,6 +676,9 @@ impl World {
 
     /// The process died: its pool, its ledger and its fence are gone with it.
     pub(crate) fn decode_crashed(&mut self, d: usize) {
+        if self.decodes[d].step.is_some() {
+            self.computing.1 -= 1;
+        }
         self.decodes[d] = DecodeNode::new(&self.cfg);
         self.check.reset(d);
     }

@@ -30,8 +30,14 @@ pub struct Exploration {
     pub migrations: u64,
 }
 
-/// Runs seeds `first..first + count` of `cfg`, stopping at the first violation.
+/// Runs seeds `first..first + count` of `cfg` (without a trace: fast), stopping at the first
+/// violation, which is run again with its whole trace kept (a seed is one run, so the second
+/// run is the first one, bit for bit, now readable).
 pub fn explore(cfg: &SimConfig, first: u64, count: u64) -> Exploration {
+    let quiet = SimConfig {
+        trace_events: 0,
+        ..cfg.clone()
+    };
     let mut e = Exploration {
         seeds: 0,
         failure: None,
@@ -46,7 +52,7 @@ pub fn explore(cfg: &SimConfig, first: u64, count: u64) -> Exploration {
         migrations: 0,
     };
     for seed in first..first + count {
-        let r = crate::run(cfg.clone(), seed);
+        let r = crate::run(quiet.clone(), seed);
         e.seeds += 1;
         let s = &r.stats;
         e.requests += cfg.requests as u64;
@@ -59,7 +65,16 @@ pub fn explore(cfg: &SimConfig, first: u64, count: u64) -> Exploration {
         e.quarantine_stalls += s.quarantine_stalls;
         e.migrations += s.migrations;
         if !r.violations.is_empty() {
-            e.failure = Some(r);
+            let traced = SimConfig {
+                trace_events: usize::MAX,
+                ..cfg.clone()
+            };
+            let again = crate::run(traced, seed);
+            assert_eq!(
+                again.fingerprint, r.fingerprint,
+                "seed {seed} ran differently the second time: the simulator is not deterministic"
+            );
+            e.failure = Some(again);
             break;
         }
     }

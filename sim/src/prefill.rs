@@ -250,8 +250,15 @@ impl World {
             match p.jobs.get(&id) {
                 Some(j) if !j.aborted && j.computed < j.prompt => {
                     let n = self.cfg.chunk_tokens.min(j.prompt - j.computed);
-                    let cost = self.cfg.cost.prefill_chunk_us(n, j.computed);
+                    let mut cost = self.cfg.cost.prefill_chunk_us(n, j.computed);
+                    if j.computed == 0 {
+                        cost += self.cfg.cost.prefill_request_us.round() as u64;
+                    }
+                    if self.cfg.one_host && self.computing.1 > 0 {
+                        cost = (cost as f64 * self.cfg.cost.shared_prefill_slowdown) as u64;
+                    }
                     p.computing = Some(id);
+                    self.computing.0 += 1;
                     let at = self.now + cost;
                     let node = self.prefill_id(i);
                     self.at(at, Ev::ChunkComputed(node, inc, id));
@@ -268,7 +275,11 @@ impl World {
         let ps = self.cfg.page_size;
         let chunk = self.cfg.chunk_tokens;
         let p = &mut self.prefills[i];
+        if p.computing != Some(id) {
+            return; // Not this engine's step (its process restarted since).
+        }
         p.computing = None;
+        self.computing.0 -= 1;
         let Some(j) = p.jobs.get_mut(&id) else {
             self.kick_prefill(i);
             return;
@@ -423,9 +434,7 @@ impl World {
             p.halves.remove(&j.room);
         }
         p.queue.retain(|q| *q != id);
-        if p.computing == Some(id) {
-            p.computing = None;
-        }
+        // A chunk of it being computed finishes anyway (the engine's step is under way).
     }
 
     /// Notices and halves that waited too long.
@@ -460,6 +469,9 @@ impl World {
     /// The process died: the kernel drops its claims (its writes in flight never land).
     pub(crate) fn prefill_crashed(&mut self, i: usize) {
         let p = std::mem::take(&mut self.prefills[i]);
+        if p.computing.is_some() {
+            self.computing.0 -= 1;
+        }
         for w in p.writes.values() {
             if self.procs[w.decode].inc == w.dinc
                 && let Some(d) = self.decode_index(w.decode)

@@ -175,6 +175,8 @@ pub struct World {
     trace: VecDeque<String>,
     /// The Poisson arrivals' running clock (µs).
     arrival_clock: f64,
+    /// Prefill workers computing a chunk, decode workers running a step (for `one_host`).
+    pub(crate) computing: (usize, usize),
 }
 
 /// What a run found.
@@ -215,6 +217,7 @@ impl World {
             stats: Stats::default(),
             trace: VecDeque::new(),
             arrival_clock: 0.0,
+            computing: (0, 0),
             rng: Rng::new(seed),
             seed,
             now: 0,
@@ -311,7 +314,7 @@ impl World {
     pub(crate) fn violation(&mut self, what: String) {
         self.note(|| format!("VIOLATION: {what}"));
         if self.check.violations.is_empty() {
-            self.check.first_trace = self.trace.iter().cloned().collect();
+            self.check.first_trace = focus(&self.trace, &what);
         }
         self.check.violations.push(what);
     }
@@ -610,6 +613,40 @@ impl Proc {
             paused_until: 0,
         }
     }
+}
+
+/// The events that explain a violation: every earlier one about the attempt it names and
+/// every node fault, then the last few before it.
+fn focus(trace: &VecDeque<String>, what: &str) -> Vec<String> {
+    const LAST: usize = 30;
+    let attempt = what
+        .split("attempt ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .filter(|n| !n.is_empty())
+        .map(|n| format!("attempt {n} "));
+    // Attempt keys are decode's (per decode worker); routers number their own attempts.
+    let node = what.split(':').next().filter(|n| n.starts_with('d'));
+    let about = |l: &str| {
+        attempt.as_ref().is_some_and(|a| l.contains(a.as_str()))
+            && !l.contains("request ")
+            && node.is_none_or(|n| l.contains(&format!("{n}: ")) || l.contains(" p"))
+    };
+    let faults = [
+        "paused", "resumes", "crashes", "restarts", "cut for", "stalls",
+    ];
+    let cut = trace.len().saturating_sub(LAST);
+    let mut out: Vec<String> = trace
+        .iter()
+        .take(cut)
+        .filter(|l| about(l) || faults.iter().any(|f| l.contains(f)))
+        .cloned()
+        .collect();
+    if !out.is_empty() {
+        out.push("   ...".into());
+    }
+    out.extend(trace.iter().skip(cut).cloned());
+    out
 }
 
 fn discriminant(ev: &Ev) -> u64 {

@@ -136,7 +136,7 @@ pub async fn run(args: BenchArgs) -> ExitCode {
 }
 
 /// `http://HOST:PORT` to a socket address.
-fn parse_url(url: &str) -> Result<SocketAddr, String> {
+pub(crate) fn parse_url(url: &str) -> Result<SocketAddr, String> {
     let hostport = url
         .strip_prefix("http://")
         .ok_or_else(|| format!("`{url}`: expected http://HOST:PORT"))?
