@@ -39,6 +39,7 @@ pub mod node;
 pub mod services;
 pub mod supervisor;
 pub mod telemetry;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod tree;
 pub mod wire;

@@ -10,16 +10,20 @@
 //!   proves no write of an attempt can land any more; [`claims`]: the claim table through
 //!   which decode fences writers that map its pool (a paused writer can never land a stale
 //!   write).
+//! - [`quarantine`]: the attempts decode aborted, freed only when the fence proves no write
+//!   of them can land (sans-IO; the simulator explores it).
 //! - [`receiver`]: decode's TCP receiver (stoppable: once stopped, nothing it accepted can
 //!   land), checking every frame against the grants.
 //! - [`shm`]: shared-memory regions (same host: the decode pool mapped by prefill).
 //! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
 
 pub mod backend;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod claims;
 pub mod grants;
 pub mod ledger;
+pub mod quarantine;
 pub mod receiver;
 pub mod shm;
 pub mod tcp;
@@ -33,4 +37,5 @@ pub use grants::Grants;
 pub use ledger::{
     AbortReason, AttemptKey, LedgerError, Outcome, Room, Side, State, TransferLedger,
 };
+pub use quarantine::{Fence, Quarantine, Settle};
 pub use receiver::{FrameEvent, FrameObserver, TcpReceiver};

@@ -4,6 +4,7 @@
 //! [`GgufError`] naming what was being read. The whole file is read into memory once and
 //! quantized tensors are used from that buffer as they are (no copy, no dequantized copy).
 
+#[cfg(any(test, feature = "tiny"))]
 pub mod writer;
 
 use std::collections::BTreeMap;
