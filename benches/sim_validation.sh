@@ -63,9 +63,16 @@ grep -E "request path|memory copy|one machine" "$dir/calibrate.out"
 for rate in "${rates[@]}"; do
   "$duet" bench --url "http://127.0.0.1:$http" --rate "$rate" --duration "$secs" \
     --prompt-len 128 --output-len 64 --json "$dir/bench-$rate.json" > /dev/null
-  n=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['requests'])" "$dir/bench-$rate.json")
-  "$duet" sim --prefill 1 --decode 1 --rate "$rate" --requests "$n" --prompt-len 128 \
-    --output-len 64 --one-host --profile "$dir/profile.json" --json "$dir/sim-$rate.json" > /dev/null
+  # The simulator gets the very arrivals the benchmark sent (a trace), not a fresh draw: at
+  # high load one arrival pattern's queueing differs from another's by more than the model.
+  python3 - "$dir/bench-$rate.json" > "$dir/trace-$rate.jsonl" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["requests"]:
+    print(json.dumps({"arrival_ms": r["sent_s"] * 1e3, "prompt_tokens": r["prompt_tokens"],
+                      "output_tokens": 64}))
+PY
+  "$duet" sim --prefill 1 --decode 1 --rate "$rate" --trace "$dir/trace-$rate.jsonl" \
+    --one-host --profile "$dir/profile.json" --json "$dir/sim-$rate.json" > /dev/null
 done
 python3 - "$dir" "${rates[@]}" <<'PY'
 import json, sys

@@ -186,6 +186,17 @@ impl CostModel {
             .max(1.0) as u64
     }
 
+    /// One prefill step over several prompts' chunks, `(tokens, context before them)` each:
+    /// one fixed cost, each chunk's own.
+    pub fn prefill_step_us(&self, chunks: &[(usize, usize)]) -> u64 {
+        let own: u64 = chunks
+            .iter()
+            .map(|&(n, ctx)| self.prefill_chunk_us(n, ctx))
+            .sum();
+        let shared = self.prefill_base_us.round() as u64 * chunks.len().saturating_sub(1) as u64;
+        own.saturating_sub(shared).max(1)
+    }
+
     /// A decode step over `batch` sequences attending `ctx` tokens in all (µs).
     pub fn decode_step_us(&self, batch: usize, ctx: usize) -> u64 {
         let (b, ctx) = (batch as f64, ctx as f64);

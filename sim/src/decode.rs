@@ -9,7 +9,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use duet_actors::protocol::FailureClass;
 use duet_gpu::{PageAllocator, PageId};
-use duet_transport::{AbortReason, Outcome as LedgerOutcome, Side, TransferLedger};
+use duet_transport::{
+    AbortReason, Fence, Outcome as LedgerOutcome, Quarantine, Revocation, Settle, Side,
+    TransferLedger,
+};
 
 use crate::check::Owner;
 use crate::config::SimConfig;
@@ -36,7 +39,8 @@ pub(crate) struct DecodeNode {
     /// The batch of the step under way, and the prompt tokens it prefills per sequence.
     step: Option<Vec<(SeqKey, usize)>>,
     seen: BTreeSet<SeqKey>,
-    alerted: BTreeSet<u64>,
+    /// The real quarantine: aborted attempts freed only on a proven revoke.
+    quarantine: Quarantine,
 }
 
 struct Transfer {
@@ -47,12 +51,27 @@ struct Transfer {
     progress: Us,
 }
 
+/// What the simulator keeps beside the quarantine about an aborted attempt: its writer and
+/// its pages (for the checker).
 struct Drain {
     prefill: NodeId,
-    room: u64,
     grant: Vec<PageId>,
-    since: Us,
-    asked: Us,
+}
+
+/// Decode's fence in the simulator (the claim table): a revoke marks the slot and is proven
+/// when no write holds it.
+struct SlotFence<'a>(&'a mut BTreeMap<u64, Slot>);
+
+impl Fence for SlotFence<'_> {
+    fn revoke(&mut self, attempt: u64) -> Revocation {
+        let slot = self.0.entry(attempt).or_default();
+        slot.revoked = true;
+        if slot.writers == 0 {
+            Revocation::Proven
+        } else {
+            Revocation::Busy
+        }
+    }
 }
 
 struct Run {
@@ -77,7 +96,12 @@ impl DecodeNode {
             running: BTreeMap::new(),
             step: None,
             seen: BTreeSet::new(),
-            alerted: BTreeSet::new(),
+            quarantine: if cfg.mutations.release_on_backstop {
+                // The paused-writer fix reverted in the real quarantine.
+                Quarantine::with_reverted_backstop_fix(cfg.backstop_us / 1000)
+            } else {
+                Quarantine::new()
+            },
         }
     }
 
@@ -437,15 +461,14 @@ impl World {
             .pass(d, &t.extra, Owner::Seq(t.g.req, t.g.ratt), Owner::Free);
         dn_held_drop(&mut self.decodes[d], t.g.room);
         let prefill = t.g.prefill.unwrap_or(me);
-        let now = self.now;
-        self.decodes[d].draining.insert(
+        let pname = self.procs[prefill].name.clone();
+        let dn = &mut self.decodes[d];
+        dn.quarantine.hold(attempt, &pname, t.g.room, now_ms);
+        dn.draining.insert(
             attempt,
             Drain {
                 prefill,
-                room: t.g.room,
                 grant: t.grant,
-                since: now,
-                asked: now,
             },
         );
         self.stats.aborts += 1;
@@ -478,39 +501,24 @@ impl World {
         self.settle(d, attempt);
     }
 
-    /// Revokes an aborted attempt's grant: proven (no write between its check and its
-    /// landing) → its pages are freed; busy → they stay quarantined, and past the backstop
-    /// the alarm is raised (only the mutation `release_on_backstop` frees them then).
+    /// Asks the real quarantine to settle an aborted attempt: its pages come back only when
+    /// the revoke is proven (no write between its check and its landing, or the writer dead).
     fn settle(&mut self, d: usize, attempt: u64) -> bool {
-        let now = self.now;
-        let backstop = self.cfg.backstop_us;
+        let now_ms = self.now_ms();
         let dn = &mut self.decodes[d];
-        let Some(x) = dn.draining.get(&attempt) else {
+        let mut fence = SlotFence(&mut dn.fence);
+        let settled =
+            dn.quarantine
+                .settle(attempt, now_ms, &mut fence, &mut dn.ledger, &mut dn.alloc);
+        if settled != Settle::Closed {
             return false;
-        };
-        let slot = dn.fence.entry(attempt).or_default();
-        slot.revoked = true;
-        let proven = slot.writers == 0;
-        let overdue = now.saturating_sub(x.since) > backstop;
-        if !proven {
-            if overdue && self.cfg.mutations.release_on_backstop {
-                // The bug this simulator must catch: time taken as proof.
-            } else {
-                if overdue && dn.alerted.insert(attempt) {
-                    self.stats.quarantine_stalls += 1;
-                    self.note(|| format!("d{d}: attempt {attempt} unproven past the backstop"));
-                }
-                return false;
-            }
-        } else {
+        }
+        if dn.fence.get(&attempt).is_some_and(|s| s.writers == 0) {
             dn.fence.remove(&attempt);
         }
-        let x = dn.draining.remove(&attempt).expect("present");
-        dn.alerted.remove(&attempt);
-        match dn.ledger.drained(attempt, &mut dn.alloc) {
-            Ok(LedgerOutcome::Applied) => {}
-            other => self.violation(format!("d{d}: drained({attempt}) gave {other:?}")),
-        }
+        let Some(x) = dn.draining.remove(&attempt) else {
+            return true;
+        };
         let dn = &self.decodes[d];
         let free: Vec<PageId> = x
             .grant
@@ -560,17 +568,20 @@ impl World {
             let t = self.decodes[d].transfers.remove(&k).expect("listed");
             self.end_transfer(d, t, AbortReason::Timeout, true);
         }
-        let attempts: Vec<u64> = self.decodes[d].draining.keys().copied().collect();
-        for a in attempts {
-            if !self.settle(d, a) {
-                let fence = self.cfg.drain_fence_us;
-                if let Some(x) = self.decodes[d].draining.get_mut(&a)
-                    && now.saturating_sub(x.asked) > fence
-                {
-                    x.asked = now;
-                    let (p, room) = (x.prefill, x.room);
-                    self.send(me, p, Msg::Abort { room, attempt: a });
-                }
+        for a in self.decodes[d].quarantine.attempts() {
+            self.settle(d, a);
+        }
+        let now_ms = self.now_ms();
+        let backstop_ms = self.cfg.backstop_us / 1000;
+        for (a, _) in self.decodes[d].quarantine.alarms(now_ms, backstop_ms) {
+            self.stats.quarantine_stalls += 1;
+            self.note(|| format!("d{d}: attempt {a} unproven past the backstop"));
+        }
+        let fence_ms = self.cfg.drain_fence_us / 1000;
+        for (a, _, room) in self.decodes[d].quarantine.ask_again(now_ms, fence_ms) {
+            if let Some(x) = self.decodes[d].draining.get(&a) {
+                let p = x.prefill;
+                self.send(me, p, Msg::Abort { room, attempt: a });
             }
         }
         for (p, room, first) in std::mem::take(&mut self.decodes[d].held) {

@@ -21,7 +21,8 @@ pub(crate) struct PrefillNode {
     waiting: BTreeMap<u64, (NodeId, u64, Vec<PageId>, u64, Us)>,
     queue: VecDeque<u64>,
     pub(crate) jobs: BTreeMap<u64, Job>,
-    computing: Option<u64>,
+    /// The engine step under way: its id and (job, tokens) per prompt in it.
+    computing: Option<(u64, Vec<(u64, usize)>)>,
     /// Notices already taken: (decode, room, attempt).
     seen: BTreeSet<(NodeId, u64, u64)>,
     writes: BTreeMap<u64, Write>,
@@ -239,74 +240,87 @@ impl World {
         self.kick_prefill(i);
     }
 
-    /// Starts the next chunk when the engine is free.
+    /// Starts the next engine step when the engine is free: like the real scheduler, it fills
+    /// `chunk_tokens` (`serving.max_batch_tokens`) with the queued prompts in order, a chunk of
+    /// each (so two short prompts share one step and both wait for it).
     fn kick_prefill(&mut self, i: usize) {
-        let inc = self.procs[self.pnode(i)].inc;
+        let node = self.prefill_id(i);
+        let inc = self.procs[node].inc;
         let p = &mut self.prefills[i];
         if p.computing.is_some() {
             return;
         }
-        while let Some(&id) = p.queue.front() {
-            match p.jobs.get(&id) {
-                Some(j) if !j.aborted && j.computed < j.prompt => {
-                    let n = self.cfg.chunk_tokens.min(j.prompt - j.computed);
-                    let mut cost = self.cfg.cost.prefill_chunk_us(n, j.computed);
-                    if j.computed == 0 {
-                        cost += self.cfg.cost.prefill_request_us.round() as u64;
-                    }
-                    if self.cfg.one_host && self.computing.1 > 0 {
-                        cost = (cost as f64 * self.cfg.cost.shared_prefill_slowdown) as u64;
-                    }
-                    p.computing = Some(id);
-                    self.computing.0 += 1;
-                    let at = self.now + cost;
-                    let node = self.prefill_id(i);
-                    self.at(at, Ev::ChunkComputed(node, inc, id));
-                    return;
-                }
-                _ => {
-                    p.queue.pop_front();
-                }
+        let jobs = &p.jobs;
+        p.queue.retain(|id| {
+            jobs.get(id)
+                .is_some_and(|j| !j.aborted && j.computed < j.prompt)
+        });
+        let mut budget = self.cfg.chunk_tokens;
+        let mut batch = Vec::new();
+        let mut chunks = Vec::new();
+        let mut new_requests = 0;
+        for id in &p.queue {
+            if budget == 0 {
+                break;
             }
+            let j = &p.jobs[id];
+            let n = budget.min(j.prompt - j.computed);
+            budget -= n;
+            chunks.push((n, j.computed));
+            new_requests += usize::from(j.computed == 0);
+            batch.push((*id, n));
         }
+        if batch.is_empty() {
+            return;
+        }
+        let mut cost = self.cfg.cost.prefill_step_us(&chunks)
+            + (self.cfg.cost.prefill_request_us * new_requests as f64).round() as u64;
+        if self.cfg.one_host && self.computing.1 > 0 {
+            cost = (cost as f64 * self.cfg.cost.shared_prefill_slowdown) as u64;
+        }
+        p.next_id += 1;
+        let step = p.next_id;
+        p.computing = Some((step, batch));
+        self.computing.0 += 1;
+        self.at(self.now + cost, Ev::ChunkComputed(node, inc, step));
     }
 
-    pub(crate) fn chunk_computed(&mut self, i: usize, id: u64) {
+    /// An engine step ends: each prompt in it has one more chunk computed, whose full pages
+    /// are written to decode while the next step computes.
+    pub(crate) fn chunk_computed(&mut self, i: usize, step: u64) {
         let ps = self.cfg.page_size;
-        let chunk = self.cfg.chunk_tokens;
         let p = &mut self.prefills[i];
-        if p.computing != Some(id) {
+        if p.computing.as_ref().is_none_or(|(s, _)| *s != step) {
             return; // Not this engine's step (its process restarted since).
         }
-        p.computing = None;
-        self.computing.0 -= 1;
-        let Some(j) = p.jobs.get_mut(&id) else {
-            self.kick_prefill(i);
+        let Some((_, batch)) = p.computing.take() else {
             return;
         };
-        if j.aborted {
-            self.kick_prefill(i);
-            return;
-        }
-        let start = j.computed;
-        j.computed = (start + chunk).min(j.prompt);
-        if j.computed == j.prompt {
-            p.queue.retain(|q| *q != id);
-        }
-        let (first, last) = (start / ps, (j.computed - 1) / ps);
-        let pages = j.pages.get(first..=last).map(<[PageId]>::to_vec);
-        let tokens = j.computed - start;
-        match pages {
-            Some(pages) => self.start_write(i, id, pages, tokens),
-            None => {
-                let what = format!(
-                    "p{i}: room {} attempt {} would write pages {first}..={last} outside its \
-                     grant of {} pages",
-                    j.room,
-                    j.attempt,
-                    j.pages.len()
-                );
-                self.violation(what);
+        self.computing.0 -= 1;
+        for (id, n) in batch {
+            let Some(j) = self.prefills[i].jobs.get_mut(&id) else {
+                continue;
+            };
+            if j.aborted {
+                continue;
+            }
+            let start = j.computed;
+            j.computed = (start + n).min(j.prompt);
+            let (first, last) = (start / ps, (j.computed - 1) / ps);
+            let pages = j.pages.get(first..=last).map(<[PageId]>::to_vec);
+            let tokens = j.computed - start;
+            match pages {
+                Some(pages) => self.start_write(i, id, pages, tokens),
+                None => {
+                    let what = format!(
+                        "p{i}: room {} attempt {} would write pages {first}..={last} outside \
+                         its grant of {} pages",
+                        j.room,
+                        j.attempt,
+                        j.pages.len()
+                    );
+                    self.violation(what);
+                }
             }
         }
         self.kick_prefill(i);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::Runner;
 use duet_gpu::PageId;
-use duet_transport::{AbortReason, Endpoint, Grants, TransferLedger};
+use duet_transport::{AbortReason, Endpoint, Grants, Quarantine, TransferLedger};
 use tokio::sync::mpsc;
 
 use super::{Cmd, stale};
@@ -82,17 +82,13 @@ pub(super) struct DecodeCore {
     pub(super) prealloc: VecDeque<Prealloc>,
     /// By (prefill node, room).
     pub(super) transfers: HashMap<(String, u64), Transfer>,
-    /// Aborted attempts whose pages are quarantined until their revoke is proven:
-    /// attempt -> (prefill node, room).
-    pub(super) draining: HashMap<u64, (String, u64)>,
-    /// Quarantined attempts already reported as past the backstop.
-    pub(super) stalled: HashSet<u64>,
+    /// Aborted attempts whose pages are quarantined until their revoke is proven.
+    pub(super) quarantine: Quarantine,
     /// Prefill nodes whose hello succeeded.
     pub(super) ready: HashSet<String>,
     pub(super) epoch: Instant,
     /// The time of this turn (see [`DecodeCore::turn`]).
     pub(super) now: Instant,
-    pub(super) last_fence_ms: u64,
     /// Per sequence: its root span and the span of the phase it is in.
     pub(super) spans: HashMap<u64, (tracing::Span, tracing::Span)>,
     /// Sequences whose first token was already reported (as a span event).
@@ -181,12 +177,7 @@ impl DecodeCore {
         kind: &'static str,
         body: &impl serde::Serialize,
     ) {
-        self.sends.push(Outgoing {
-            node: node.to_string(),
-            service,
-            kind,
-            body: duet_runtime::wire::encode_body(body),
-        });
+        self.sends.push(Outgoing::new(node, service, kind, body));
     }
 
     /// Milliseconds since the thread started, at this turn.
@@ -332,8 +323,8 @@ impl DecodeCore {
                 // Prefill says its writes drained: a reason to ask the grant again now (the
                 // revoke is the proof). Most acknowledgements come after the revoke was
                 // already proven; only one for another peer's attempt is stale.
-                match self.draining.get(&a.attempt) {
-                    Some((n, _)) if *n == node => {
+                match self.quarantine.get(a.attempt) {
+                    Some(h) if h.peer == node => {
                         self.settle(a.attempt);
                     }
                     Some(_) => stale("abort_ack"),

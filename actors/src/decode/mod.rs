@@ -42,7 +42,9 @@ use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use duet_transport::shm::ShmRegion;
-use duet_transport::{ClaimTable, Endpoint, Grants, LocalRegistration, Side, TransferLedger};
+use duet_transport::{
+    ClaimTable, Endpoint, Grants, LocalRegistration, Quarantine, Side, TransferLedger,
+};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -267,12 +269,10 @@ impl Actor for DecodeWorker {
                 ledger: TransferLedger::new(Side::Destination),
                 prealloc: VecDeque::new(),
                 transfers: HashMap::new(),
-                draining: HashMap::new(),
-                stalled: HashSet::new(),
+                quarantine: Quarantine::new(),
                 ready: HashSet::new(),
                 epoch: Instant::now(),
                 now: Instant::now(),
-                last_fence_ms: 0,
                 spans: HashMap::new(),
                 first_tokens: HashSet::new(),
             };

@@ -9,7 +9,7 @@ use std::time::Instant;
 use duet_engine::sampling::Sampled;
 use duet_gpu::PageId;
 use duet_runtime::metrics as m;
-use duet_transport::{AbortReason, Revocation};
+use duet_transport::{AbortReason, Revocation, Settle};
 
 use super::engine_thread::{DecodeCore, Prealloc, Prefill, Transfer};
 use super::{receiver, stale};
@@ -437,8 +437,8 @@ impl DecodeCore {
         if prefill == Prefill::Stop {
             self.abort_at_prefill(t);
         }
-        self.draining
-            .insert(t.attempt, (t.peer.node.clone(), t.peer.room));
+        self.quarantine
+            .hold(t.attempt, &t.peer.node, t.peer.room, now);
         self.settle(t.attempt);
     }
 
@@ -448,22 +448,18 @@ impl DecodeCore {
     /// claim (asked again every turn, see [`expire`](Self::expire)), or when the attempt was
     /// not draining.
     pub(super) fn settle(&mut self, attempt: u64) -> bool {
-        if !self.draining.contains_key(&attempt) {
-            return false;
-        }
-        if self.grants.revoke(attempt) == Revocation::Busy {
-            return false;
-        }
-        self.draining.remove(&attempt);
-        self.stalled.remove(&attempt);
-        let drained = self
-            .ledger
-            .drained(attempt, &mut self.runner.engine.pool.alloc);
-        if let Ok(duet_transport::Outcome::Applied) = drained {
+        let now = self.now_ms();
+        let settled = self.quarantine.settle(
+            attempt,
+            now,
+            &mut self.grants,
+            &mut self.ledger,
+            &mut self.runner.engine.pool.alloc,
+        );
+        if settled == Settle::Closed {
             history::record("close", &self.node, self.incarnation, attempt, &[]);
         }
-        self.ledger.prune();
-        true
+        settled == Settle::Closed
     }
 
     /// Stops a request wherever it is.
@@ -534,44 +530,36 @@ impl DecodeCore {
     /// fence (again each fence interval), and past the backstop an alert. Never a release.
     pub(super) fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
         let now = self.now_ms();
-        let quarantined: Vec<u64> = self.draining.keys().copied().collect();
-        for attempt in quarantined {
+        for attempt in self.quarantine.attempts() {
             self.settle(attempt);
         }
         for (attempt, node) in self
-            .ledger
-            .overdue(now, self.forced_drain.as_millis() as u64)
+            .quarantine
+            .alarms(now, self.forced_drain.as_millis() as u64)
         {
-            if self.stalled.insert(attempt) {
-                let pages = self.ledger.pages(attempt);
-                tracing::error!(
-                    %node,
-                    attempt,
-                    pages,
-                    backstop = ?self.forced_drain,
-                    "a writer on {node} still holds an aborted transfer's claim past the backstop: \
-                     its pages stay quarantined until it finishes its copy or its process dies"
-                );
-                metrics::counter!(m::QUARANTINE_STALLS, "peer" => node.clone()).increment(1);
-            }
+            let pages = self.ledger.pages(attempt);
+            tracing::error!(
+                %node,
+                attempt,
+                pages,
+                backstop = ?self.forced_drain,
+                "a writer on {node} still holds an aborted transfer's claim past the backstop: \
+                 its pages stay quarantined until it finishes its copy or its process dies"
+            );
+            metrics::counter!(m::QUARANTINE_STALLS, "peer" => node.clone()).increment(1);
         }
-        let backstop = self.drain_fence.as_millis() as u64;
-        if now.saturating_sub(self.last_fence_ms) >= backstop {
-            self.last_fence_ms = now;
-            for (attempt, _) in self.ledger.overdue(now, backstop) {
-                if let Some((node, room)) = self.draining.get(&attempt).cloned() {
-                    tracing::warn!(%node, room, attempt, "abort unacknowledged: drain fence");
-                    self.send(
-                        &node,
-                        BOOTSTRAP_SERVICE,
-                        kinds::DRAIN_FENCE,
-                        &Abort {
-                            room,
-                            attempt: Some(attempt),
-                        },
-                    );
-                }
-            }
+        let fence = self.drain_fence.as_millis() as u64;
+        for (attempt, node, room) in self.quarantine.ask_again(now, fence) {
+            tracing::warn!(%node, room, attempt, "abort unacknowledged: drain fence");
+            self.send(
+                &node,
+                BOOTSTRAP_SERVICE,
+                kinds::DRAIN_FENCE,
+                &Abort {
+                    room,
+                    attempt: Some(attempt),
+                },
+            );
         }
         // A transfer's deadline is on progress, not on its work: a long prompt that keeps
         // computing and writing never hits it; a stopped or wedged prefill does.
