@@ -508,7 +508,7 @@ fn contention(
     );
     let mut decoder = open(4096)?;
     let params = SamplingParams {
-        max_tokens: 100_000,
+        max_tokens: 2_000,
         ignore_eos: true,
         ..SamplingParams::default()
     };

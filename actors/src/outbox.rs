@@ -31,6 +31,23 @@ pub struct Outgoing {
     pub body: Vec<u8>,
 }
 
+impl Outgoing {
+    /// `body` for `service` on `node`, encoded.
+    pub fn new(
+        node: &str,
+        service: &'static str,
+        kind: &'static str,
+        body: &impl Serialize,
+    ) -> Outgoing {
+        Outgoing {
+            node: node.to_string(),
+            service,
+            kind,
+            body: wire::encode_body(body),
+        }
+    }
+}
+
 /// The sending half engine threads hold.
 #[derive(Debug, Clone)]
 pub struct Outbox {
@@ -52,14 +69,7 @@ impl Outbox {
         kind: &'static str,
         body: &impl Serialize,
     ) -> bool {
-        self.tx
-            .send(Outgoing {
-                node: node.to_string(),
-                service,
-                kind,
-                body: wire::encode_body(body),
-            })
-            .is_ok()
+        self.queue(Outgoing::new(node, service, kind, body))
     }
 }
 

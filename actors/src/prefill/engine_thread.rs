@@ -13,7 +13,7 @@ use duet_transport::{AbortReason, PageRun, TransferLedger, coalesce};
 
 use super::sender::{Job, SenderHub, Target};
 use super::{Cmd, Holding};
-use crate::outbox::Outbox;
+use crate::outbox::{Outbox, Outgoing};
 use crate::protocol::{
     AbortAck, LoadReport, PrefillStart, ServingError, TransferDone, TransferFailed, WORKER_SERVICE,
     kinds,
@@ -45,6 +45,8 @@ pub(super) struct PrefillCore {
     /// This worker's incarnation (its jobs go only to a sender thread built for it).
     pub(super) worker: u64,
     pub(super) outbox: Outbox,
+    /// Control messages of this turn, handed to the outbox at its end.
+    pub(super) sends: Vec<Outgoing>,
     pub(super) load: Arc<Mutex<LoadReport>>,
     /// What the heartbeats tell decode nodes (see [`Holding`]).
     pub(super) holding: Arc<Mutex<Holding>>,
@@ -53,6 +55,8 @@ pub(super) struct PrefillCore {
     pub(super) rooms: HashMap<(String, u64), u64>,
     pub(super) next_seq: u64,
     pub(super) epoch: Instant,
+    /// The time of this turn (see [`PrefillCore::turn`]).
+    pub(super) now: Instant,
     pub(super) stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -70,24 +74,51 @@ impl PrefillCore {
             } else {
                 None
             };
-            // The prefix cache's keep windows run on this thread's clock.
-            self.runner
-                .cache
-                .tick(self.epoch.elapsed().as_millis() as u64);
-            for cmd in first
+            let batch: Vec<Cmd> = first
                 .into_iter()
                 .chain(std::iter::from_fn(|| cmds.try_recv().ok()))
-            {
-                if matches!(cmd, Cmd::Shutdown) {
-                    return;
-                }
-                self.command(cmd);
+                .collect();
+            if batch.iter().any(|c| matches!(c, Cmd::Shutdown)) {
+                return;
             }
-            if !self.runner.scheduler.is_idle() {
-                self.step();
+            for message in self.turn(Instant::now(), batch) {
+                self.outbox.queue(message);
             }
-            self.publish_load();
         }
+    }
+
+    /// One turn of the engine thread at `now` (the only clock reading its logic sees; the
+    /// engine step's own duration is measured for metrics): the commands that arrived, one
+    /// prefill step (its pages handed to the KV sender), the load report. Returns the control
+    /// messages for peers: the turn itself sends none.
+    pub(super) fn turn(&mut self, now: Instant, cmds: Vec<Cmd>) -> Vec<Outgoing> {
+        self.now = self.now.max(now);
+        // The prefix cache's keep windows run on this thread's time.
+        self.runner.cache.tick(self.now_ms());
+        for cmd in cmds {
+            self.command(cmd);
+        }
+        if !self.runner.scheduler.is_idle() {
+            self.step();
+        }
+        self.publish_load();
+        std::mem::take(&mut self.sends)
+    }
+
+    /// Milliseconds since the thread started, at this turn.
+    fn now_ms(&self) -> u64 {
+        self.now.duration_since(self.epoch).as_millis() as u64
+    }
+
+    /// Queues a control message (sent at the end of the turn).
+    fn send(
+        &mut self,
+        node: &str,
+        service: &'static str,
+        kind: &'static str,
+        body: &impl serde::Serialize,
+    ) {
+        self.sends.push(Outgoing::new(node, service, kind, body));
     }
 
     pub(super) fn target(f: &Flight) -> Target {
@@ -112,12 +143,13 @@ impl PrefillCore {
                 let decode = start.request.decode.clone();
                 let room = start.notice.room;
                 let ps = self.runner.engine.options().page_size;
-                let fail_with = |me: &Self, error: ServingError| {
-                    let failed = TransferFailed::new(room, Some(start.notice.attempt), &error);
-                    me.outbox
-                        .send(&decode, WORKER_SERVICE, kinds::FAILED, &failed);
+                let attempt = start.notice.attempt;
+                let fail_with = |me: &mut Self, error: ServingError| {
+                    let failed = TransferFailed::new(room, Some(attempt), &error);
+                    me.send(&decode, WORKER_SERVICE, kinds::FAILED, &failed);
                 };
-                let fail = |me: &Self, error: String| fail_with(me, ServingError::Prefill(error));
+                let fail =
+                    |me: &mut Self, error: String| fail_with(me, ServingError::Prefill(error));
                 if start
                     .notice
                     .prefill_incarnation
@@ -177,7 +209,7 @@ impl PrefillCore {
                         key,
                         next_page: skip,
                         skip,
-                        matched: Instant::now(),
+                        matched: self.now,
                         first_chunk: None,
                         aborted: false,
                         span,
@@ -194,7 +226,7 @@ impl PrefillCore {
                     }
                     _ => {
                         // Finished or never started: no write of it is pending.
-                        self.outbox.send(
+                        self.send(
                             &decode,
                             WORKER_SERVICE,
                             kinds::ABORT_ACK,
@@ -251,7 +283,7 @@ impl PrefillCore {
         reason: AbortReason,
         failed: Option<ServingError>,
     ) {
-        let now = self.epoch.elapsed().as_millis() as u64;
+        let now = self.now_ms();
         let Some(f) = self.flights.get_mut(&seq) else {
             return;
         };

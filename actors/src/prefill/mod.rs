@@ -168,12 +168,14 @@ impl Actor for PrefillWorker {
                 jobs: hub.clone(),
                 worker: incarnation,
                 outbox,
+                sends: Vec::new(),
                 load: load.clone(),
                 holding: holding.clone(),
                 flights: HashMap::new(),
                 rooms: HashMap::new(),
                 next_seq: 0,
                 epoch: Instant::now(),
+                now: Instant::now(),
                 stop: stop.clone(),
             };
             std::thread::Builder::new()

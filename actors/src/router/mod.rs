@@ -7,9 +7,11 @@
 //! and a random 63-bit room. Both halves are sent at once: `worker.generate` to decode,
 //! `bootstrap.prefill` to prefill. The router actor receives the workers' token batches and load reports and routes each
 //! item to the request's channel. A worker that membership marks down, or that comes back as a
-//! new incarnation, fails the requests it held; a request that had produced no token is retried
-//! once on another worker.
+//! new incarnation, fails the requests it held; what happens next is the request's
+//! [`policy`] (a pure state machine: retries, migrations, waiting for workers), driven by its
+//! generation (`generation.rs`, the shell that starts attempts and streams their tokens).
 
+mod generation;
 pub mod http;
 mod openai;
 pub mod policy;
