@@ -6,6 +6,8 @@
 //! - no write lands after its attempt's release (its pages freed or published);
 //! - no write lands outside its attempt's grant;
 //! - nothing is published while a write of its attempt may still land (the fence);
+//! - a prefill worker never reports a transfer failed after finishing it, nor while it is
+//!   still sending it;
 //! - no page is held by two owners at once;
 //! - every request ends within its deadline; tokens are the cost model's stream, in order,
 //!   none twice, none missing; nothing is stranded once the faults stop (in `world.rs`).
@@ -29,6 +31,10 @@ pub struct Checker {
     pages: Vec<Vec<Owner>>,
     pub(crate) violations: Vec<String>,
     pub(crate) first_trace: Vec<String>,
+    /// Transfers a prefill worker finished (sent their Done): (prefill, decode, room,
+    /// attempt). None of them may be reported failed afterwards. (Attempt keys restart with a
+    /// decode incarnation; rooms are drawn at random per attempt.)
+    pub(crate) finished: std::collections::BTreeSet<(usize, usize, u64, u64)>,
 }
 
 impl Checker {

@@ -77,9 +77,9 @@ pub struct Mutations {
     /// Decode takes a complete transfer's Done for an attempt it already aborted as a
     /// completion (an abort that races its Finish).
     pub publish_aborted: bool,
-    /// Prefill answers a duplicated prealloc notice for a room it is already sending as a
-    /// busy room, with a failure of that attempt (a duplicated notice that failed a live
-    /// attempt).
+    /// Prefill's bootstrap queue forgets which attempts it started, so a duplicated prealloc
+    /// notice waits for a request that never comes and then fails its attempt, live or not
+    /// (the real `Rendezvous` with its fix reverted).
     pub fail_duplicate_notice: bool,
 }
 
@@ -125,6 +125,8 @@ pub struct SimConfig {
     pub request_timeout_us: u64,
     /// `serving.transfer_timeout_secs`: no progress for this long ends a transfer (µs).
     pub transfer_timeout_us: u64,
+    /// `serving.bootstrap_timeout_secs`: how long a half waits for the other (µs).
+    pub bootstrap_timeout_us: u64,
     /// How long a request may wait for decode pages (µs).
     pub prealloc_timeout_us: u64,
     /// The router gives up on an attempt that delivered nothing for this long (µs): the
@@ -174,6 +176,7 @@ impl SimConfig {
             retries: 3,
             request_timeout_us: 30_000_000,
             transfer_timeout_us: 2_000_000,
+            bootstrap_timeout_us: 5_000_000,
             prealloc_timeout_us: 10_000_000,
             attempt_timeout_us: 6_000_000,
             drain_fence_us: 500_000,
@@ -218,6 +221,7 @@ impl SimConfig {
             retries: 3,
             request_timeout_us: u64::MAX / 4,
             transfer_timeout_us: u64::MAX / 4,
+            bootstrap_timeout_us: u64::MAX / 4,
             prealloc_timeout_us: u64::MAX / 4,
             attempt_timeout_us: u64::MAX / 4,
             drain_fence_us: u64::MAX / 4,

@@ -144,10 +144,6 @@ impl World {
         self.decode_id(d)
     }
 
-    fn now_ms(&self) -> u64 {
-        self.now / 1000
-    }
-
     pub(crate) fn decode_message(&mut self, d: usize, from: NodeId, msg: Msg) {
         match msg {
             Msg::Generate(g) => {
@@ -202,6 +198,15 @@ impl World {
                 }
             }
             Msg::Failed { room, attempt } => {
+                let me = self.dnode(d);
+                if let Some(a) = attempt
+                    && self.check.finished.contains(&(from, me, room, a))
+                {
+                    let who = self.procs[from].name.clone();
+                    self.violation(format!(
+                        "{who} reported room {room} attempt {a} failed after finishing it"
+                    ));
+                }
                 let current = self.decodes[d]
                     .transfers
                     .get(&(from, room))

@@ -1,39 +1,59 @@
-//! A prefill worker in the simulator: its bootstrap queue (the router's half of a request
-//! meets decode's prealloc notice), its engine (one chunk at a time, costed by the model) and
+//! A prefill worker in the simulator: its bootstrap queue (the real [`Rendezvous`]: the
+//! router's half of a request meets decode's prealloc notice), its engine (steps costed by the
+//! model) and
 //! its KV sender (each chunk's pages written while the next chunk computes). Every write
 //! passes decode's fence at its start and holds it until it lands, as a claim does on the real
 //! shm backend; a crashed writer's claims drop with it.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
+use duet_actors::bootstrap::rendezvous::{OnAbort, OnNotice, OnRequest, Rendezvous};
 use duet_gpu::PageId;
 
-use crate::world::{Ev, Msg, NodeId, Us, World, stream_token};
+use crate::world::{Ev, Msg, NodeId, World, stream_token};
 
-/// How long a notice waits for the router's half, and a half for its notice.
-const NOTICE_WAIT_US: Us = 2_000_000;
-const HALF_WAIT_US: Us = 10_000_000;
-
-#[derive(Default)]
 pub(crate) struct PrefillNode {
-    halves: BTreeMap<u64, Half>,
-    /// Notices waiting for their half: room -> (decode, attempt, pages, decode incarnation, since).
-    waiting: BTreeMap<u64, (NodeId, u64, Vec<PageId>, u64, Us)>,
+    /// The bootstrap queue: halves and notices waiting for each other.
+    bootstrap: Rendezvous<Half, Notice>,
+    /// Jobs waiting for the engine, in order.
     queue: VecDeque<u64>,
     pub(crate) jobs: BTreeMap<u64, Job>,
     /// The engine step under way: its id and (job, tokens) per prompt in it.
     computing: Option<(u64, Vec<(u64, usize)>)>,
-    /// Notices already taken: (decode, room, attempt).
-    seen: BTreeSet<(NodeId, u64, u64)>,
     writes: BTreeMap<u64, Write>,
     next_id: u64,
 }
 
+/// The router's half of a request.
 struct Half {
     req: u64,
     prompt: usize,
     first_index: usize,
-    since: Us,
+}
+
+/// Decode's prealloc notice.
+struct Notice {
+    decode: NodeId,
+    dinc: u64,
+    attempt: u64,
+    pages: Vec<PageId>,
+}
+
+impl PrefillNode {
+    pub(crate) fn new(reverted_duplicate_fix: bool) -> PrefillNode {
+        PrefillNode {
+            bootstrap: if reverted_duplicate_fix {
+                Rendezvous::with_reverted_duplicate_fix()
+            } else {
+                Rendezvous::new()
+            },
+            queue: VecDeque::new(),
+            jobs: BTreeMap::new(),
+            computing: None,
+            writes: BTreeMap::new(),
+            next_id: 0,
+        }
+    }
 }
 
 pub(crate) struct Job {
@@ -60,17 +80,17 @@ struct Write {
 
 impl PrefillNode {
     pub(crate) fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.waiting.is_empty() && self.halves.is_empty()
+        self.jobs.is_empty() && self.bootstrap.is_empty()
     }
 
     pub(crate) fn stranded(&self) -> Option<String> {
         if !self.jobs.is_empty() {
             Some(format!("{} transfers still open", self.jobs.len()))
-        } else if !self.waiting.is_empty() || !self.halves.is_empty() {
+        } else if !self.bootstrap.is_empty() {
             Some(format!(
                 "{} notices and {} bootstrap halves still queued",
-                self.waiting.len(),
-                self.halves.len()
+                self.bootstrap.noticed(),
+                self.bootstrap.waiting()
             ))
         } else {
             None
@@ -91,34 +111,23 @@ impl World {
                 prompt,
                 first_index,
             } => {
-                self.prefills[i].halves.insert(
-                    room,
-                    Half {
-                        req,
-                        prompt,
-                        first_index,
-                        since: self.now,
-                    },
-                );
-                if let Some((decode, attempt, pages, dinc, _)) =
-                    self.prefills[i].waiting.remove(&room)
+                let half = Half {
+                    req,
+                    prompt,
+                    first_index,
+                };
+                let now = self.now_ms();
+                if let OnRequest::Met { request, notice } =
+                    self.prefills[i].bootstrap.request(room, half, now)
                 {
-                    self.start_job(i, decode, dinc, room, attempt, pages);
+                    self.start_job(i, room, request, notice);
                 }
             }
             Msg::HalfCancel { room } => {
-                self.prefills[i].halves.remove(&room);
-                if let Some((decode, attempt, ..)) = self.prefills[i].waiting.remove(&room) {
-                    let me = self.pnode(i);
-                    self.send(
-                        me,
-                        decode,
-                        Msg::Failed {
-                            room,
-                            attempt: Some(attempt),
-                        },
-                    );
-                }
+                // The router's abort: a half caught here is dropped (decode hears of it from
+                // the router, or from its own deadline).
+                let now = self.now_ms();
+                self.prefills[i].bootstrap.abort(room, None, now);
             }
             Msg::Notice {
                 room,
@@ -126,34 +135,38 @@ impl World {
                 pages,
                 dinc,
             } => {
-                let fresh = self.prefills[i].seen.insert((from, room, attempt));
-                if !fresh {
-                    let busy = self.prefills[i].jobs.values().any(|j| j.room == room);
-                    if busy && self.cfg.mutations.fail_duplicate_notice {
+                let notice = Notice {
+                    decode: from,
+                    dinc,
+                    attempt,
+                    pages,
+                };
+                let now = self.now_ms();
+                match self.prefills[i]
+                    .bootstrap
+                    .notice(room, attempt, notice, now)
+                {
+                    OnNotice::Duplicate | OnNotice::Queued => {}
+                    OnNotice::Aborted => {
                         let me = self.pnode(i);
-                        let failed = Msg::Failed {
-                            room,
-                            attempt: Some(attempt),
-                        };
-                        self.send(me, from, failed);
+                        self.send(me, from, Msg::AbortAck { attempt });
                     }
-                    return; // A duplicate: this attempt was taken already.
-                }
-                if self.prefills[i].halves.contains_key(&room) {
-                    self.start_job(i, from, dinc, room, attempt, pages);
-                } else {
-                    let now = self.now;
-                    self.prefills[i]
-                        .waiting
-                        .insert(room, (from, attempt, pages, dinc, now));
+                    OnNotice::Met {
+                        request, notice, ..
+                    } => self.start_job(i, room, request, notice),
                 }
             }
             Msg::Abort { room, attempt } => {
                 let me = self.pnode(i);
-                let p = &mut self.prefills[i];
-                if p.waiting.get(&room).is_some_and(|w| w.1 == attempt) {
-                    p.waiting.remove(&room);
+                let now = self.now_ms();
+                match self.prefills[i].bootstrap.abort(room, Some(attempt), now) {
+                    OnAbort::CaughtBeforeStart { .. } | OnAbort::Early => {
+                        self.send(me, from, Msg::AbortAck { attempt });
+                        return;
+                    }
+                    OnAbort::InFlight => {}
                 }
+                let p = &mut self.prefills[i];
                 let hit: Vec<u64> = p
                     .jobs
                     .iter()
@@ -183,7 +196,6 @@ impl World {
             }
             Msg::PeerDown { node } => {
                 let p = &mut self.prefills[i];
-                p.waiting.retain(|_, w| w.0 != node);
                 let gone: Vec<u64> = p
                     .jobs
                     .iter()
@@ -206,27 +218,17 @@ impl World {
         self.kick_prefill(i);
     }
 
-    fn start_job(
-        &mut self,
-        i: usize,
-        decode: NodeId,
-        dinc: u64,
-        room: u64,
-        attempt: u64,
-        pages: Vec<PageId>,
-    ) {
+    fn start_job(&mut self, i: usize, room: u64, h: Half, n: Notice) {
         let p = &mut self.prefills[i];
-        let Some(h) = p.halves.get(&room) else {
-            return;
-        };
         p.next_id += 1;
         let id = p.next_id;
+        let attempt = n.attempt;
         let job = Job {
-            decode,
-            dinc,
+            decode: n.decode,
+            dinc: n.dinc,
             room,
             attempt,
-            pages,
+            pages: n.pages,
             req: h.req,
             prompt: h.prompt,
             first_index: h.first_index,
@@ -427,7 +429,7 @@ impl World {
         if let Some((req, first_index)) = complete {
             let first = stream_token(self.seed, req, first_index);
             self.end_job(i, w.job);
-            self.prefills[i].halves.remove(&room);
+            self.check.finished.insert((me, decode, room, attempt));
             self.send(
                 me,
                 decode,
@@ -440,49 +442,38 @@ impl World {
         }
     }
 
-    /// A transfer is over (done, aborted or refused): its room's half goes with it (a later
-    /// attempt has a room of its own).
+    /// A transfer is over (done, aborted or refused).
     fn end_job(&mut self, i: usize, id: u64) {
         let p = &mut self.prefills[i];
-        if let Some(j) = p.jobs.remove(&id) {
-            p.halves.remove(&j.room);
-        }
+        p.jobs.remove(&id);
         p.queue.retain(|q| *q != id);
         // A chunk of it being computed finishes anyway (the engine's step is under way).
     }
 
-    /// Notices and halves that waited too long.
+    /// Notices and halves that waited past the bootstrap deadline: a notice's decode is told
+    /// (nothing was written for it); a request's half is dropped (decode's own deadline fails
+    /// its attempt).
     pub(crate) fn prefill_tick(&mut self, i: usize) {
-        let now = self.now;
+        let now = self.now_ms();
         let me = self.pnode(i);
-        let p = &mut self.prefills[i];
-        let late: Vec<u64> = p
-            .waiting
-            .iter()
-            .filter(|(_, w)| now.saturating_sub(w.4) > NOTICE_WAIT_US)
-            .map(|(r, _)| *r)
-            .collect();
-        let jobs_rooms: BTreeSet<u64> = p.jobs.values().map(|j| j.room).collect();
-        p.halves.retain(|room, h| {
-            jobs_rooms.contains(room) || now.saturating_sub(h.since) <= HALF_WAIT_US
-        });
-        for room in late {
-            if let Some((decode, attempt, ..)) = self.prefills[i].waiting.remove(&room) {
-                self.send(
-                    me,
-                    decode,
-                    Msg::Failed {
-                        room,
-                        attempt: Some(attempt),
-                    },
-                );
-            }
+        let limit = self.cfg.bootstrap_timeout_us / 1000;
+        let expired = self.prefills[i].bootstrap.expire(now, limit);
+        for (room, attempt, n) in expired.notices {
+            self.send(
+                me,
+                n.decode,
+                Msg::Failed {
+                    room,
+                    attempt: Some(attempt),
+                },
+            );
         }
     }
 
     /// The process died: the kernel drops its claims (its writes in flight never land).
     pub(crate) fn prefill_crashed(&mut self, i: usize) {
-        let p = std::mem::take(&mut self.prefills[i]);
+        let fresh = PrefillNode::new(self.cfg.mutations.fail_duplicate_notice);
+        let p = std::mem::replace(&mut self.prefills[i], fresh);
         if p.computing.is_some() {
             self.computing.0 -= 1;
         }

@@ -211,7 +211,9 @@ impl World {
         let check = Checker::new(cfg.decode, cfg.decode_pages);
         World {
             routers: (0..cfg.routers).map(|_| RouterNode::default()).collect(),
-            prefills: (0..cfg.prefill).map(|_| PrefillNode::default()).collect(),
+            prefills: (0..cfg.prefill)
+                .map(|_| PrefillNode::new(cfg.mutations.fail_duplicate_notice))
+                .collect(),
             decodes,
             check,
             stats: Stats::default(),
@@ -295,6 +297,11 @@ impl World {
         if copies == 2 {
             self.stats.messages_duplicated += 1;
         }
+    }
+
+    /// Virtual milliseconds (what the real sans-IO cores take as time).
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.now / 1000
     }
 
     /// Appends a line to the readable trace.

@@ -85,7 +85,9 @@ fn a_duplicated_prealloc_notice_is_found() {
         ..Mutations::default()
     });
     assert!(
-        r.violations.iter().any(|v| v.contains("still sending it")),
+        r.violations
+            .iter()
+            .any(|v| v.contains("after finishing it") || v.contains("still sending it")),
         "{}",
         r.readable()
     );

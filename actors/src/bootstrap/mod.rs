@@ -7,8 +7,12 @@
 //! waits past `bootstrap_timeout` fails with an error naming the phase; so does a notice
 //! whose request never came (its pages were never written, so decode frees them at once).
 //! Layout hellos are answered by the prefill worker, which holds the model.
+//!
+//! The rule of the meeting is [`rendezvous`] (sans-IO, shared with the simulator); this actor
+//! is its shell: it decodes envelopes, starts prefills, sends failures and acknowledgements.
 
-use std::collections::HashMap;
+pub mod rendezvous;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +28,7 @@ use crate::protocol::{
     PrefillStart, ServingError, TransferFailed, WORKER_SERVICE, kinds,
 };
 use crate::settings::ServingConfig;
+use rendezvous::{OnAbort, OnNotice, OnRequest, Rendezvous};
 
 /// The bootstrap actor.
 pub struct Bootstrap;
@@ -31,7 +36,6 @@ pub struct Bootstrap;
 /// A request waiting for its notice.
 struct Waiting {
     request: PrefillRequest,
-    since: Instant,
     traceparent: Option<String>,
     span: tracing::Span,
 }
@@ -52,16 +56,11 @@ pub struct BootstrapState {
     ctx: Arc<NodeContext>,
     settings: ServingConfig,
     host: String,
-    /// Requests without a notice yet, by room, with the router's trace context and the span
-    /// of their wait here.
-    requests: HashMap<u64, Waiting>,
-    /// Notices without a request yet, by room (with the decode node).
-    notices: HashMap<u64, (PreallocNotice, String, Instant)>,
-    /// Rooms aborted before both halves met (the late half is dropped on arrival).
-    dropped: HashMap<u64, Instant>,
-    /// Rooms whose halves met, with the attempt started: a duplicated notice is ignored
-    /// instead of waiting for a request that will not come (and then failing a live attempt).
-    started: HashMap<u64, (u64, Instant)>,
+    /// Requests (with the router's trace context and the span of their wait here) and
+    /// notices (with their decode node) waiting for each other.
+    queue: Rendezvous<Waiting, (PreallocNotice, String)>,
+    /// The queue's clock starts here.
+    epoch: Instant,
     ticker: JoinHandle<()>,
     /// Requests queued here, for the node's drain probe.
     queued: Arc<std::sync::atomic::AtomicUsize>,
@@ -105,10 +104,8 @@ impl Actor for Bootstrap {
             ctx,
             settings,
             host: duet_transport::host_id(),
-            requests: HashMap::new(),
-            notices: HashMap::new(),
-            dropped: HashMap::new(),
-            started: HashMap::new(),
+            queue: Rendezvous::new(),
+            epoch: Instant::now(),
             ticker,
         })
     }
@@ -136,15 +133,20 @@ impl Actor for Bootstrap {
             BootstrapMsg::Inbound(inbound) => state.inbound(inbound).await,
             BootstrapMsg::Tick => state.expire().await,
         }
-        metrics::gauge!(m::BOOTSTRAP_QUEUE).set(state.requests.len() as f64);
+        let waiting = state.queue.waiting();
+        metrics::gauge!(m::BOOTSTRAP_QUEUE).set(waiting as f64);
         state
             .queued
-            .store(state.requests.len(), std::sync::atomic::Ordering::Relaxed);
+            .store(waiting, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }
 
 impl BootstrapState {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
     async fn inbound(&mut self, inbound: Inbound) {
         let kind = inbound.envelope.kind.clone();
         let from = inbound.envelope.sender_node().to_string();
@@ -159,9 +161,6 @@ impl BootstrapState {
                 };
                 reply.ok(wire::encode_body(&Accepted { incarnation: 0 }));
                 let room = request.room;
-                if self.dropped.remove(&room).is_some() {
-                    return;
-                }
                 let span = tracing::info_span!(
                     "bootstrap_wait",
                     room,
@@ -171,15 +170,16 @@ impl BootstrapState {
                 duet_runtime::telemetry::follow(&span, envelope.traceparent.as_deref());
                 let waiting = Waiting {
                     request,
-                    since: Instant::now(),
                     traceparent: envelope.traceparent.clone(),
                     span,
                 };
-                match self.notices.remove(&room) {
-                    Some((notice, _, _)) => self.start(waiting, notice).await,
-                    None => {
-                        self.requests.insert(room, waiting);
-                    }
+                let now = self.now_ms();
+                if let OnRequest::Met {
+                    request,
+                    notice: (notice, _),
+                } = self.queue.request(room, waiting, now)
+                {
+                    self.start(request, 0, notice).await;
                 }
             }
             kinds::PREALLOC => {
@@ -188,33 +188,26 @@ impl BootstrapState {
                         .increment(1);
                     return;
                 };
-                let room = notice.room;
-                if self
-                    .started
-                    .get(&room)
-                    .is_some_and(|(attempt, _)| *attempt == notice.attempt)
+                let (room, attempt) = (notice.room, notice.attempt);
+                let now = self.now_ms();
+                match self
+                    .queue
+                    .notice(room, attempt, (notice, from.clone()), now)
                 {
-                    metrics::counter!(m::STALE_MESSAGES, "kind" => "prealloc").increment(1);
-                    return;
-                }
-                if self.dropped.contains_key(&room) {
-                    // Aborted already; nothing was written for it.
-                    self.send(
-                        &from,
-                        kinds::ABORT_ACK,
-                        &AbortAck {
-                            room,
-                            attempt: notice.attempt,
-                        },
-                    )
-                    .await;
-                    return;
-                }
-                match self.requests.remove(&room) {
-                    Some(waiting) => self.start(waiting, notice).await,
-                    None => {
-                        self.notices.insert(room, (notice, from, Instant::now()));
+                    OnNotice::Duplicate => {
+                        metrics::counter!(m::STALE_MESSAGES, "kind" => "prealloc").increment(1);
                     }
+                    OnNotice::Aborted => {
+                        // Aborted already; nothing was written for it.
+                        self.send(&from, kinds::ABORT_ACK, &AbortAck { room, attempt })
+                            .await;
+                    }
+                    OnNotice::Met {
+                        request,
+                        waited_ms,
+                        notice: (notice, _),
+                    } => self.start(request, waited_ms, notice).await,
+                    OnNotice::Queued => {}
                 }
             }
             kinds::DRAIN_FENCE => self.forward(kinds::STOP, inbound),
@@ -222,30 +215,22 @@ impl BootstrapState {
                 let Ok(abort) = wire::decode_body::<Abort>(&inbound.envelope.body) else {
                     return;
                 };
-                let waiting = self.requests.remove(&abort.room).is_some();
-                let noticed = self.notices.remove(&abort.room);
-                if waiting || noticed.is_some() {
+                let now = self.now_ms();
+                match self.queue.abort(abort.room, abort.attempt, now) {
                     // Caught before prefill started: nothing was written.
-                    if let Some(attempt) = abort.attempt {
-                        self.send(
-                            &from,
-                            kinds::ABORT_ACK,
-                            &AbortAck {
+                    OnAbort::CaughtBeforeStart { acknowledge } => {
+                        if let (true, Some(attempt)) = (acknowledge, abort.attempt) {
+                            let ack = AbortAck {
                                 room: abort.room,
                                 attempt,
-                            },
-                        )
-                        .await;
+                            };
+                            self.send(&from, kinds::ABORT_ACK, &ack).await;
+                        }
                     }
-                    if !waiting {
-                        self.dropped.insert(abort.room, Instant::now());
-                    }
-                } else if abort.attempt.is_some() {
                     // In flight (or finished): the prefill worker drains, then acknowledges.
-                    self.forward(kinds::STOP, inbound);
-                } else {
-                    // The router's request has not arrived yet: drop it when it does.
-                    self.dropped.insert(abort.room, Instant::now());
+                    OnAbort::InFlight => self.forward(kinds::STOP, inbound),
+                    // The router's request has not arrived yet: it is dropped when it does.
+                    OnAbort::Early => {}
                 }
             }
             other => {
@@ -269,16 +254,13 @@ impl BootstrapState {
         }
     }
 
-    async fn start(&mut self, waiting: Waiting, notice: PreallocNotice) {
-        self.started
-            .insert(notice.room, (notice.attempt, Instant::now()));
+    async fn start(&mut self, waiting: Waiting, waited_ms: u64, notice: PreallocNotice) {
         let Waiting {
             request,
-            since,
             traceparent,
             span,
         } = waiting;
-        metrics::histogram!(m::BOOTSTRAP_WAIT).record(since.elapsed().as_secs_f64());
+        metrics::histogram!(m::BOOTSTRAP_WAIT).record(waited_ms as f64 / 1e3);
         span.record("attempt", notice.attempt);
         drop(span);
         let backend = self
@@ -330,46 +312,32 @@ impl BootstrapState {
 
     async fn expire(&mut self) {
         let limit = self.settings.bootstrap_timeout;
-        let late: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, w)| w.since.elapsed() > limit)
-            .map(|(room, _)| *room)
-            .collect();
-        for room in late {
-            if let Some(Waiting {
+        let now = self.now_ms();
+        let expired = self.queue.expire(now, limit.as_millis() as u64);
+        for (
+            room,
+            Waiting {
                 request: r, span, ..
-            }) = self.requests.remove(&room)
-            {
-                tracing::warn!(parent: &span, room, "no pages from decode in time");
-                let error = format!(
-                    "bootstrap: no pages from decode {} within {limit:?}",
-                    r.decode
-                );
-                let failed = TransferFailed::new(room, None, &ServingError::Prefill(error));
-                self.send(&r.decode, kinds::FAILED, &failed).await;
-            }
+            },
+        ) in expired.requests
+        {
+            tracing::warn!(parent: &span, room, "no pages from decode in time");
+            let error = format!(
+                "bootstrap: no pages from decode {} within {limit:?}",
+                r.decode
+            );
+            let failed = TransferFailed::new(room, None, &ServingError::Prefill(error));
+            self.send(&r.decode, kinds::FAILED, &failed).await;
         }
-        let late: Vec<u64> = self
-            .notices
-            .iter()
-            .filter(|(_, (_, _, since))| since.elapsed() > limit)
-            .map(|(room, _)| *room)
-            .collect();
-        for room in late {
-            if let Some((n, decode, _)) = self.notices.remove(&room) {
-                let failed = TransferFailed::new(
-                    room,
-                    Some(n.attempt),
-                    &ServingError::Prefill(format!(
-                        "bootstrap: the router's request never arrived within {limit:?}"
-                    )),
-                );
-                self.send(&decode, kinds::FAILED, &failed).await;
-            }
+        for (room, attempt, (_, decode)) in expired.notices {
+            let failed = TransferFailed::new(
+                room,
+                Some(attempt),
+                &ServingError::Prefill(format!(
+                    "bootstrap: the router's request never arrived within {limit:?}"
+                )),
+            );
+            self.send(&decode, kinds::FAILED, &failed).await;
         }
-        self.dropped.retain(|_, since| since.elapsed() <= limit);
-        self.started
-            .retain(|_, (_, since)| since.elapsed() <= limit);
     }
 }
