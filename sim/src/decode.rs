@@ -153,16 +153,7 @@ impl World {
                 let ps = self.cfg.page_size;
                 let total = (g.prompt + g.max_tokens - g.first_index).div_ceil(ps);
                 if total > self.cfg.decode_pages {
-                    let me = self.dnode(d);
-                    self.send(
-                        me,
-                        g.router,
-                        Msg::AttemptFailed {
-                            req: g.req,
-                            ratt: g.ratt,
-                            class: FailureClass::Attempt,
-                        },
-                    );
+                    self.fail_to_router(d, &g, FailureClass::Attempt);
                     return;
                 }
                 let now = self.now;
@@ -493,17 +484,20 @@ impl World {
             } else {
                 FailureClass::Attempt
             };
-            self.send(
-                me,
-                t.g.router,
-                Msg::AttemptFailed {
-                    req: t.g.req,
-                    ratt: t.g.ratt,
-                    class,
-                },
-            );
+            self.fail_to_router(d, &t.g, class);
         }
         self.settle(d, attempt);
+    }
+
+    /// Tells the router its attempt failed here.
+    fn fail_to_router(&mut self, d: usize, g: &Generate, class: FailureClass) {
+        let me = self.dnode(d);
+        let failed = Msg::AttemptFailed {
+            req: g.req,
+            ratt: g.ratt,
+            class,
+        };
+        self.send(me, g.router, failed);
     }
 
     /// Asks the real quarantine to settle an aborted attempt: its pages come back only when
@@ -553,15 +547,7 @@ impl World {
             late.into_iter().map(|(g, _)| g).collect()
         };
         for g in late {
-            self.send(
-                me,
-                g.router,
-                Msg::AttemptFailed {
-                    req: g.req,
-                    ratt: g.ratt,
-                    class: FailureClass::Attempt,
-                },
-            );
+            self.fail_to_router(d, &g, FailureClass::Attempt);
         }
         let stuck: Vec<(NodeId, u64)> = self.decodes[d]
             .transfers
