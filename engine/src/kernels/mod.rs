@@ -12,7 +12,8 @@
 //! result is bit-identical whether it is alone, in a batch of 32, in a prefill chunk of any
 //! size, or at any position in the batch.
 //!
-//! The instruction set is chosen once per process (AVX-512, AVX2+FMA, or portable code), so
+//! The instruction set is chosen once per process (AVX-512, AVX2+FMA with or without F16C, or
+//! portable code), so
 //! the guarantee holds per machine; the portable path uses the same order with `mul_add`.
 
 #![allow(unsafe_code)]
@@ -36,8 +37,11 @@ pub const LANES: usize = 16;
 pub enum Isa {
     /// AVX-512F.
     Avx512,
-    /// AVX2 with FMA.
+    /// AVX2 with FMA and F16C.
     Avx2,
+    /// AVX2 with FMA but no F16C (some virtual machines hide it): the same kernels, with f16
+    /// converted in software (exact both ways, so the results are the same bits).
+    Avx2NoF16c,
     /// Whatever the baseline target offers.
     Portable,
 }
@@ -55,8 +59,10 @@ pub fn isa() -> Isa {
             if is_x86_feature_detected!("avx512f") && f16c {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && f16c {
-                return Isa::Avx2;
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                // Without this level a CPU that lacks only F16C fell to the portable path,
+                // where every `mul_add` is a library call: ~30x slower.
+                return if f16c { Isa::Avx2 } else { Isa::Avx2NoF16c };
             }
         }
         Isa::Portable
@@ -102,7 +108,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Runs `f` compiled for the detected instruction set. `f` must be `#[inline(always)]` code
-/// so it is compiled inside each `target_feature` wrapper.
+/// so it is compiled inside each `target_feature` wrapper; the closure around it is
+/// `#[inline(always)]` too: left to the optimiser it stayed a function of its own, compiled
+/// without the features, where every `mul_add` became a call to the library's `fmaf` (the
+/// AVX2 path ran at the portable path's speed, ~30x slower than it should).
 #[macro_export]
 #[doc(hidden)]
 macro_rules! dispatch {
@@ -116,7 +125,12 @@ macro_rules! dispatch {
                 }
                 // SAFETY: `isa()` returned Avx512 only after detecting avx512f and f16c (and
                 // every CPU with avx512f has avx2 and fma).
-                unsafe { run(|| $body) }
+                unsafe {
+                    run(
+                        #[inline(always)]
+                        || $body,
+                    )
+                }
             }
             #[cfg(target_arch = "x86_64")]
             $crate::kernels::Isa::Avx2 => {
@@ -125,7 +139,26 @@ macro_rules! dispatch {
                     f()
                 }
                 // SAFETY: `isa()` returned Avx2 only after detecting avx2, fma and f16c.
-                unsafe { run(|| $body) }
+                unsafe {
+                    run(
+                        #[inline(always)]
+                        || $body,
+                    )
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::Isa::Avx2NoF16c => {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn run<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                // SAFETY: `isa()` returned Avx2NoF16c only after detecting avx2 and fma.
+                unsafe {
+                    run(
+                        #[inline(always)]
+                        || $body,
+                    )
+                }
             }
             _ => $body,
         }
