@@ -36,12 +36,28 @@ pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
         async move {
             let answer =
                 client::call(n.admin, &token, Method::GET, "/v1/tree", None, CALL_TIMEOUT).await;
-            match answer.and_then(|v| {
-                serde_json::from_value::<NodeTree>(v).map_err(|e| AdminClientError::BadAnswer {
-                    addr: n.admin,
-                    reason: e.to_string(),
-                })
-            }) {
+            // A loopback admin address of a node on another host reaches whichever node of
+            // this host has that port: its answer names that node, never shown as this one.
+            let checked = answer.and_then(|v| {
+                let t = serde_json::from_value::<NodeTree>(v).map_err(|e| {
+                    AdminClientError::BadAnswer {
+                        addr: n.admin,
+                        reason: e.to_string(),
+                    }
+                })?;
+                if t.node != n.name {
+                    return Err(AdminClientError::BadAnswer {
+                        addr: n.admin,
+                        reason: format!(
+                            "node `{}` answered there: `{}` runs on host {} (give it an admin \
+                             address this machine reaches, or run the command on its host)",
+                            t.node, n.name, n.host
+                        ),
+                    });
+                }
+                Ok(t)
+            });
+            match checked {
                 Ok(t) => t,
                 Err(e) => NodeTree {
                     node: n.name.clone(),

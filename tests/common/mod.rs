@@ -5,6 +5,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
+pub mod hosts;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -205,10 +207,18 @@ impl Running {
 
     /// [`Running::start`] with extra environment variables (fault injection hooks).
     pub async fn start_env(args: &[&str], marker: &str, env: &[(&str, &str)]) -> Running {
-        let mut child = Command::new(duet_bin())
-            .args(args)
-            .envs(env.iter().copied())
-            .env("DUET_LOG", "info")
+        let mut cmd = Command::new(duet_bin());
+        cmd.args(args).envs(env.iter().copied());
+        Running::spawn(cmd, &format!("duet {}", args.join(" ")), marker).await
+    }
+
+    /// Starts a prepared command (a `duet` on another host, say) and waits (with a deadline)
+    /// for a stdout line starting with `marker`; `what` names it in failures.
+    pub async fn spawn(mut cmd: Command, what: &str, marker: &str) -> Running {
+        // DUET_TEST_LOG sets the nodes' log filter when a test needs more detail.
+        let log = std::env::var("DUET_TEST_LOG").unwrap_or_else(|_| "info".to_string());
+        let mut child = cmd
+            .env("DUET_LOG", log)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -227,13 +237,8 @@ impl Running {
         };
         let line = tokio::time::timeout(Duration::from_secs(60), wait)
             .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "`duet {}` printed no `{marker}` line in 60 s",
-                    args.join(" ")
-                )
-            })
-            .unwrap_or_else(|| panic!("`duet {}` exited before `{marker}`", args.join(" ")));
+            .unwrap_or_else(|_| panic!("`{what}` printed no `{marker}` line in 60 s"))
+            .unwrap_or_else(|| panic!("`{what}` exited before `{marker}`"));
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Running {

@@ -217,6 +217,9 @@ pub struct NodeConfig {
     pub address: SocketAddr,
     /// TCP address of the node's admin HTTP API.
     pub admin: SocketAddr,
+    /// The host the node runs on (`host`, else `localhost` for a loopback address, else the
+    /// address's IP): admin addresses need only differ among nodes of one host.
+    pub host: String,
 }
 
 /// A cluster.toml that could not be loaded: where, which key, and what was expected.

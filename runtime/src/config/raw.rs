@@ -93,6 +93,7 @@ struct RawNode {
     role: Spanned<String>,
     address: Spanned<String>,
     admin: Option<Spanned<String>>,
+    host: Option<Spanned<String>>,
 }
 
 /// Builds errors that point into one file.
@@ -306,7 +307,9 @@ pub(super) fn validate(
     let mut nodes = Vec::with_capacity(raw.nodes.len());
     let mut names: HashMap<String, usize> = HashMap::new();
     let mut links: HashMap<SocketAddr, String> = HashMap::new();
-    let mut admins: HashMap<SocketAddr, String> = HashMap::new();
+    // Admin addresses clash only on one host: every node may use the same port on its own
+    // host (as every pod does in Kubernetes).
+    let mut admins: HashMap<(String, SocketAddr), String> = HashMap::new();
     for (i, node) in raw.nodes.iter().enumerate() {
         let node = node.get_ref();
         let name = node.name.get_ref();
@@ -331,6 +334,20 @@ pub(super) fn validate(
             // number as the link (TCP and UDP ports do not clash).
             None => SocketAddr::new([127, 0, 0, 1].into(), address.port()),
         };
+        let host = match &node.host {
+            Some(h) if !valid_name(h.get_ref()) => {
+                return Err(r.error(
+                    h.span(),
+                    format!("node[{i}].host"),
+                    format!(
+                        "`{}` is not a valid host name: expected letters, digits, '-' or '_'",
+                        h.get_ref()
+                    ),
+                ));
+            }
+            Some(h) => h.get_ref().clone(),
+            None => host_of(address),
+        };
         if let Some(other) = links.insert(address, name.clone()) {
             return Err(r.error(
                 node.address.span(),
@@ -338,7 +355,7 @@ pub(super) fn validate(
                 format!("{address} is already the address of node `{other}`: expected one address per node"),
             ));
         }
-        if let Some(other) = admins.insert(admin, name.clone()) {
+        if let Some(other) = admins.insert((host.clone(), admin), name.clone()) {
             let span = node
                 .admin
                 .as_ref()
@@ -346,7 +363,7 @@ pub(super) fn validate(
             return Err(r.error(
                 span,
                 format!("node[{i}].admin"),
-                format!("admin address {admin} is already used by node `{other}`: give each node its own admin address"),
+                format!("admin address {admin} is already used by node `{other}` on the same host ({host}): give each node on one host its own admin address"),
             ));
         }
         let role = match node.role.get_ref().as_str() {
@@ -368,6 +385,7 @@ pub(super) fn validate(
             role,
             address,
             admin,
+            host,
         });
     }
 
@@ -457,6 +475,17 @@ fn parse_addr(
 }
 
 /// Node and cluster names appear in actor paths (`NODE/actor/child`) and metric labels.
+/// The host a node runs on when its `host` key is not set: every loopback address is this
+/// machine; any other address names its own host (two nodes that share one usually share it
+/// by their IP, which is what clashes).
+fn host_of(address: SocketAddr) -> String {
+    if address.ip().is_loopback() {
+        "localhost".to_string()
+    } else {
+        address.ip().to_string()
+    }
+}
+
 fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64

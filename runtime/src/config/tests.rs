@@ -69,6 +69,43 @@ fn the_repository_default_cluster_is_valid() {
     );
 }
 
+/// Nodes on different hosts may share a port (each listens on its own host, as pods do); on one
+/// host the default loopback admin addresses still clash, and `host` says which nodes share one.
+#[test]
+fn ports_clash_only_on_one_host() {
+    let node = |name: &str, role: &str, addr: &str, host: &str| {
+        format!("[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"{addr}\"\n{host}")
+    };
+    let three = format!(
+        "{}{}{}",
+        node("router", "router", "198.18.0.2:7500", ""),
+        node("p0", "prefill", "198.18.0.3:7500", ""),
+        node("d0", "decode", "198.18.0.4:7500", "")
+    );
+    let c = parse(&three).expect("one port on three hosts");
+    let hosts: Vec<&str> = c.nodes.iter().map(|n| n.host.as_str()).collect();
+    assert_eq!(hosts, ["198.18.0.2", "198.18.0.3", "198.18.0.4"]);
+    assert!(
+        c.nodes
+            .iter()
+            .all(|n| n.admin == "127.0.0.1:7500".parse().unwrap())
+    );
+    assert_eq!(parse(NODES).expect("loopback").nodes[0].host, "localhost");
+
+    // Two addresses of one machine, said to be one host: their admin ports clash.
+    let shared = format!(
+        "{}{}",
+        node("a", "router", "198.18.0.2:7500", "host = \"box1\"\n"),
+        node("b", "prefill", "198.18.0.9:7500", "host = \"box1\"\n")
+    );
+    let e = parse(&shared).expect_err("same host, same admin port");
+    assert_eq!((e.line, e.key.as_str()), (9, "node[1].admin"), "{e}");
+    assert!(e.message.contains("on the same host (box1)"), "{e}");
+    let bad = node("a", "router", "198.18.0.2:7500", "host = \"no such\"\n");
+    let e = parse(&bad).expect_err("bad host name");
+    assert_eq!((e.line, e.key.as_str()), (5, "node[0].host"), "{e}");
+}
+
 /// Each invalid file, the line and key the error must name, and text the message must contain.
 #[test]
 fn invalid_files_name_line_key_and_expectation() {

@@ -1,0 +1,375 @@
+//! A cluster spread over three hosts (network namespaces with their own address, hostname,
+//! `/etc/hostname` and `/dev/shm`, joined by a bridge): router, prefill and decode each on its
+//! own host, every node on the same port (7500) as pods in Kubernetes would be. Under load the
+//! harness cuts the prefill host off for 6 s, cuts the prefill-decode pair only for 6 s, and
+//! crashes the decode host and starts it again. Every request ends, every answer equals
+//! `duet generate`'s, the transfer history checker finds nothing, and each scenario reports its
+//! requests, failures and the time from the fault's end to the first request served through
+//! both workers again.
+//!
+//! Needs root (CI runs as root); addresses are 198.18.0.0/24 inside the test's namespaces only.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::hosts::Hosts;
+use common::*;
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+
+/// Every node listens on this port on its own host.
+const PORT: u16 = 7500;
+/// The router's OpenAI port, on the router's host.
+const HTTP: u16 = 8000;
+/// Distinct prompts the load cycles through (each several prefill chunks). Decode's pool
+/// holds about one of them beside the three running requests, so cycling through six (least
+/// recently used goes first) finds none in its prefix cache: every request crosses hosts.
+const PROMPTS: usize = 6;
+
+fn prompt(salt: usize) -> String {
+    format!(
+        "Host test {salt}. Clusters span many machines: routers pair prefill and decode \
+         workers, and the KV cache moves between them over the network. "
+    )
+    .repeat(3)
+}
+
+/// The cluster file: three nodes on three hosts, one port, default (loopback) admin addresses.
+fn cluster_toml(h: &Hosts) -> String {
+    let model = real_model();
+    let mut text = format!(
+        "[cluster]\nname = \"hosts\"\n[serving]\nmodel = \"{}\"\nhttp = \"127.0.0.1:{HTTP}\"\n\
+         kv_pages = 256\nmax_batch_tokens = 32\ndisagg_threshold = 16\nkv_transport = \"auto\"\n\
+         request_timeout_secs = 60\nbootstrap_timeout_secs = 10\ntransfer_timeout_secs = 10\n\
+         [serving.node.d0]\nkv_pages = 32\n[membership]\nheartbeat_interval_ms = 250\n\
+         failure_threshold = 4\n",
+        model.display()
+    );
+    for (name, role, host) in [
+        ("router", "router", "hrouter"),
+        ("p0", "prefill", "hprefill"),
+        ("d0", "decode", "hdecode"),
+    ] {
+        text.push_str(&format!(
+            "[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"{}:{PORT}\"\n",
+            h.ip(host)
+        ));
+    }
+    text
+}
+
+/// One completion through curl on the router's host: the status and the body.
+async fn complete_on(h: &Hosts, body: &Value) -> (u16, Value) {
+    let out = h
+        .command("hrouter", "curl")
+        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
+        .arg("content-type: application/json")
+        .arg("-d")
+        .arg(body.to_string())
+        .arg(format!("http://127.0.0.1:{HTTP}/v1/completions"))
+        .output()
+        .await
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(json_text).unwrap_or(Value::Null),
+    )
+}
+
+/// A GET on `node`'s admin API, from its own host (its admin listens on that host's loopback).
+async fn admin_on(h: &Hosts, host: &str, token: &str, path: &str) -> String {
+    let out = h
+        .command(host, "curl")
+        .args(["-s", "--max-time", "3", "-H"])
+        .arg(format!("authorization: Bearer {token}"))
+        .arg(format!("http://127.0.0.1:{PORT}{path}"))
+        .output()
+        .await
+        .expect("curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A counter or gauge of `host`'s node, summed over the label sets that contain `labels`.
+async fn metric_on(h: &Hosts, host: &str, token: &str, name: &str, labels: &str) -> f64 {
+    admin_on(h, host, token, "/metrics")
+        .await
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits until the router reports `workers` ready workers.
+async fn router_ready_on(h: &Hosts, workers: usize) {
+    let want = format!("\"workers\":{workers}");
+    poll("the workers ready", Duration::from_secs(120), || async {
+        let out = h
+            .command("hrouter", "curl")
+            .args(["-s", "--max-time", "2"])
+            .arg(format!("http://127.0.0.1:{HTTP}/ready"))
+            .output()
+            .await
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&want)
+            .then_some(())
+    })
+    .await;
+}
+
+/// What the clients saw in one scenario.
+#[derive(Default, Debug)]
+struct Tally {
+    ok: usize,
+    wrong: Vec<String>,
+    failed: BTreeMap<String, usize>,
+}
+
+/// Clients that send the cycled prompts back to back until told to stop.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tally: Arc<Mutex<Tally>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(h: &Arc<Hosts>, refs: &Arc<Vec<String>>, clients: usize, offset: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let tasks = (0..clients)
+            .map(|c| {
+                let (h, refs, stop, tally) = (h.clone(), refs.clone(), stop.clone(), tally.clone());
+                tokio::spawn(async move {
+                    let mut i = offset + c;
+                    while !stop.load(Ordering::Relaxed) {
+                        let k = i % PROMPTS;
+                        let body = json!({"prompt": prompt(k), "max_tokens": 8,
+                                          "ignore_eos": true, "temperature": 0});
+                        let (code, v) = complete_on(&h, &body).await;
+                        let mut t = tally.lock().await;
+                        match code {
+                            200 if v["choices"][0]["text"] == refs[k].as_str() => t.ok += 1,
+                            200 => t.wrong.push(format!("prompt {k}: {v}")),
+                            _ => {
+                                let why = v["error"]["code"].as_str().unwrap_or("none");
+                                *t.failed.entry(format!("{why} (HTTP {code})")).or_default() += 1;
+                            }
+                        }
+                        i += clients;
+                    }
+                })
+            })
+            .collect();
+        Load { stop, tally, tasks }
+    }
+
+    /// Waits until the clients have finished a request (the load is under way).
+    async fn under_way(&self) {
+        poll("the load under way", Duration::from_secs(60), || async {
+            let t = self.tally.lock().await;
+            (t.ok + t.wrong.len() + t.failed.len() > 0).then_some(())
+        })
+        .await;
+    }
+
+    /// Stops the clients (each finishes its request: every request ends) and returns the tally.
+    async fn finish(self) -> Tally {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            tokio::time::timeout(Duration::from_secs(150), t)
+                .await
+                .expect("every request ends")
+                .expect("client task");
+        }
+        std::mem::take(&mut *self.tally.lock().await)
+    }
+}
+
+/// Completed transfers on decode (a request served through both workers).
+async fn transfers_done(h: &Hosts, token: &str) -> f64 {
+    metric_on(
+        h,
+        "hdecode",
+        token,
+        "duet_transfers_total",
+        "outcome=\"completed\"",
+    )
+    .await
+}
+
+/// Time from now until decode completes one more transfer than `before` (the first request
+/// served through prefill and decode after a fault ends).
+async fn until_served_through_both(h: &Hosts, token: &str, before: f64) -> Duration {
+    let start = Instant::now();
+    poll(
+        "a request served through both workers",
+        Duration::from_secs(90),
+        || async { (transfers_done(h, token).await > before).then_some(()) },
+    )
+    .await;
+    start.elapsed()
+}
+
+async fn start_node(h: &Hosts, host: &str, config: &str, name: &str, history: &str) -> Running {
+    let mut cmd = h.command(host, duet_bin());
+    cmd.args(["node", "--config", config, "--name", name])
+        .env("DUET_HISTORY_DIR", history);
+    Running::spawn(
+        cmd,
+        &format!("duet node {name} on {host}"),
+        duet_runtime::node::READY_MARKER,
+    )
+    .await
+}
+
+fn report(scenario: &str, t: &Tally, back: Option<Duration>) {
+    eprintln!(
+        "[multi-host] {scenario}: {} requests, {} ok, {} wrong, failures {:?}; first request \
+         through both workers {:?} after the fault ended",
+        t.ok + t.wrong.len() + t.failed.values().sum::<usize>(),
+        t.ok,
+        t.wrong.len(),
+        t.failed,
+        back
+    );
+    assert!(
+        t.wrong.is_empty(),
+        "{scenario}: wrong answers: {:?}",
+        t.wrong
+    );
+    assert!(t.ok > 0, "{scenario}: nothing served");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_hosts_serve_right_through_cuts_and_a_crash() {
+    let mut hosts = Hosts::new(&["hrouter", "hprefill", "hdecode"]);
+    for host in ["hrouter", "hprefill", "hdecode"] {
+        hosts.boot(host).await;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("cluster.toml");
+    std::fs::write(&config, cluster_toml(&hosts)).expect("cluster file");
+    let config = path_str(&config).to_string();
+    let out = duet(&["credentials", "--config", &config]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let token = std::fs::read_to_string(dir.path().join(".duet/token"))
+        .expect("token")
+        .trim()
+        .to_string();
+    let history = dir.path().join("history");
+    std::fs::create_dir_all(&history).expect("history folder");
+    let history = path_str(&history).to_string();
+
+    eprintln!("[multi-host] hosts up; references from duet generate");
+    let refs: Vec<String> = {
+        // Two at a time (two cores); each `duet generate` loads the model on its own.
+        let mut v = Vec::new();
+        for pair in (0..PROMPTS).collect::<Vec<_>>().chunks(2) {
+            let runs = pair
+                .iter()
+                .map(|&k| tokio::spawn(async move { generate_reference(&prompt(k), 8).await }));
+            for r in runs.collect::<Vec<_>>() {
+                v.push(r.await.expect("reference"));
+            }
+        }
+        v
+    };
+    let refs = Arc::new(refs);
+
+    eprintln!("[multi-host] starting the nodes");
+    let _router = start_node(&hosts, "hrouter", &config, "router", &history).await;
+    let _p0 = start_node(&hosts, "hprefill", &config, "p0", &history).await;
+    let d0 = start_node(&hosts, "hdecode", &config, "d0", &history).await;
+    router_ready_on(&hosts, 2).await;
+
+    eprintln!("[multi-host] cluster ready");
+    // Each host has its own name and /dev/shm, so the pair chose TCP, not shared memory.
+    let tree = admin_on(&hosts, "hdecode", &token, "/v1/tree").await;
+    assert!(
+        tree.contains("\"node\":\"d0\""),
+        "d0's admin on its host: {tree}"
+    );
+    let out = hosts
+        .command("hrouter", duet_bin())
+        .args(["tree", "--config", &config, "--json"])
+        .output()
+        .await
+        .expect("duet tree");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("node `router` answered there"),
+        "the CLI on the router's host never shows its own node as d0: {text}"
+    );
+
+    // Served right on three hosts, before any fault.
+    for k in 0..PROMPTS {
+        let body = json!({"prompt": prompt(k), "max_tokens": 8, "ignore_eos": true,
+                          "temperature": 0});
+        let (code, v) = complete_on(&hosts, &body).await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], refs[k].as_str(), "prompt {k}");
+    }
+    assert!(transfers_done(&hosts, &token).await >= 1.0);
+    let tcp = metric_on(
+        &hosts,
+        "hprefill",
+        &token,
+        "duet_kv_bytes_sent_total",
+        "tcp",
+    )
+    .await;
+    assert!(tcp > 0.0, "KV moved between hosts over TCP");
+
+    let hosts = Arc::new(hosts);
+    // 1. The prefill host cut off for 6 s under load.
+    let load = Load::start(&hosts, &refs, 3, 0);
+    load.under_way().await;
+    hosts.set_link("hprefill", false);
+    tokio::time::sleep(Duration::from_secs(6)).await; // the fault's length
+    hosts.set_link("hprefill", true);
+    let before = transfers_done(&hosts, &token).await;
+    let back = until_served_through_both(&hosts, &token, before).await;
+    report("prefill host cut 6 s", &load.finish().await, Some(back));
+
+    // 2. Only the prefill-decode pair cut for 6 s: the router still reaches both.
+    let load = Load::start(&hosts, &refs, 3, 1);
+    load.under_way().await;
+    hosts.set_pair("hprefill", "hdecode", true);
+    tokio::time::sleep(Duration::from_secs(6)).await; // the fault's length
+    hosts.set_pair("hprefill", "hdecode", false);
+    let before = transfers_done(&hosts, &token).await;
+    let back = until_served_through_both(&hosts, &token, before).await;
+    report(
+        "prefill-decode pair cut 6 s",
+        &load.finish().await,
+        Some(back),
+    );
+
+    // 3. The decode host crashes (every process on it, its /dev/shm gone) and boots again.
+    let mut hosts = Arc::try_unwrap(hosts).unwrap_or_else(|_| panic!("load still running"));
+    hosts.crash("hdecode").await;
+    drop(d0);
+    hosts.boot("hdecode").await;
+    let started = Instant::now();
+    let _d0 = start_node(&hosts, "hdecode", &config, "d0", &history).await;
+    router_ready_on(&hosts, 2).await;
+    let before = transfers_done(&hosts, &token).await;
+    let hosts = Arc::new(hosts);
+    let load = Load::start(&hosts, &refs, 3, 2);
+    until_served_through_both(&hosts, &token, before).await;
+    let back = started.elapsed();
+    report(
+        "decode host crashed and rebooted",
+        &load.finish().await,
+        Some(back),
+    );
+
+    let report = check_history(&history).await;
+    eprintln!("[multi-host] history: {report}");
+}
