@@ -26,9 +26,10 @@ const PORT: u16 = 7500;
 /// The router's OpenAI port, on the router's host.
 const HTTP: u16 = 8000;
 /// Distinct prompts the load cycles through (each several prefill chunks). Decode's pool
-/// holds about one of them beside the three running requests, so cycling through six (least
-/// recently used goes first) finds none in its prefix cache: every request crosses hosts.
-const PROMPTS: usize = 6;
+/// holds about two of them beside the three running requests, so cycling through 24 (least
+/// recently used goes first) finds none in its prefix cache: every request crosses hosts
+/// unless the router sends it to decode alone.
+const PROMPTS: usize = 24;
 
 fn prompt(salt: usize) -> String {
     format!(
@@ -228,15 +229,53 @@ async fn start_node(h: &Hosts, host: &str, config: &str, name: &str, history: &s
     .await
 }
 
-fn report(scenario: &str, t: &Tally, back: Option<Duration>) {
+/// The router's and decode's counters a scenario reports the change of.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    retries: f64,
+    disaggregated: f64,
+    decode_only: f64,
+    transfers: f64,
+}
+
+impl Counters {
+    async fn read(h: &Hosts, token: &str) -> Counters {
+        let route = |path: &'static str| async move {
+            let label = format!("path=\"{path}\"");
+            metric_on(h, "hrouter", token, "duet_router_routes_total", &label).await
+        };
+        Counters {
+            retries: metric_on(h, "hrouter", token, "duet_router_retries_total", "").await,
+            disaggregated: route("disaggregated").await,
+            decode_only: route("decode_only").await,
+            transfers: transfers_done(h, token).await,
+        }
+    }
+
+    fn since(self, before: Counters) -> Counters {
+        Counters {
+            retries: self.retries - before.retries,
+            disaggregated: self.disaggregated - before.disaggregated,
+            decode_only: self.decode_only - before.decode_only,
+            transfers: self.transfers - before.transfers,
+        }
+    }
+}
+
+fn report(scenario: &str, t: &Tally, c: Counters, back: Duration) {
     eprintln!(
-        "[multi-host] {scenario}: {} requests, {} ok, {} wrong, failures {:?}; first request \
-         through both workers {:?} after the fault ended",
+        "[multi-host] {scenario}: {} requests, {} ok, {} wrong, failures {:?}; router: {} \
+         retries, {} routed disaggregated, {} to decode alone; {} transfers completed; first \
+         request through both workers {:.1} s after the fault ended",
         t.ok + t.wrong.len() + t.failed.values().sum::<usize>(),
         t.ok,
         t.wrong.len(),
         t.failed,
-        back
+        c.retries,
+        c.disaggregated,
+        c.decode_only,
+        c.transfers,
+        back.as_secs_f64()
     );
     assert!(
         t.wrong.is_empty(),
@@ -328,6 +367,7 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
 
     let hosts = Arc::new(hosts);
     // 1. The prefill host cut off for 6 s under load.
+    let start = Counters::read(&hosts, &token).await;
     let load = Load::start(&hosts, &refs, 3, 0);
     load.under_way().await;
     hosts.set_link("hprefill", false);
@@ -335,21 +375,22 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     hosts.set_link("hprefill", true);
     let before = transfers_done(&hosts, &token).await;
     let back = until_served_through_both(&hosts, &token, before).await;
-    report("prefill host cut 6 s", &load.finish().await, Some(back));
+    let tally = load.finish().await;
+    let c = Counters::read(&hosts, &token).await.since(start);
+    report("prefill host cut 6 s", &tally, c, back);
 
     // 2. Only the prefill-decode pair cut for 6 s: the router still reaches both.
-    let load = Load::start(&hosts, &refs, 3, 1);
+    let start = Counters::read(&hosts, &token).await;
+    let load = Load::start(&hosts, &refs, 3, 8);
     load.under_way().await;
     hosts.set_pair("hprefill", "hdecode", true);
     tokio::time::sleep(Duration::from_secs(6)).await; // the fault's length
     hosts.set_pair("hprefill", "hdecode", false);
     let before = transfers_done(&hosts, &token).await;
     let back = until_served_through_both(&hosts, &token, before).await;
-    report(
-        "prefill-decode pair cut 6 s",
-        &load.finish().await,
-        Some(back),
-    );
+    let tally = load.finish().await;
+    let c = Counters::read(&hosts, &token).await.since(start);
+    report("prefill-decode pair cut 6 s", &tally, c, back);
 
     // 3. The decode host crashes (every process on it, its /dev/shm gone) and boots again.
     let mut hosts = Arc::try_unwrap(hosts).unwrap_or_else(|_| panic!("load still running"));
@@ -359,16 +400,22 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     let started = Instant::now();
     let _d0 = start_node(&hosts, "hdecode", &config, "d0", &history).await;
     router_ready_on(&hosts, 2).await;
-    let before = transfers_done(&hosts, &token).await;
+    // Decode's counters start again from zero in its new process.
+    let start = Counters::read(&hosts, &token).await;
     let hosts = Arc::new(hosts);
-    let load = Load::start(&hosts, &refs, 3, 2);
-    until_served_through_both(&hosts, &token, before).await;
+    let load = Load::start(&hosts, &refs, 3, 16);
+    until_served_through_both(&hosts, &token, start.transfers).await;
     let back = started.elapsed();
-    report(
-        "decode host crashed and rebooted",
-        &load.finish().await,
-        Some(back),
-    );
+    // More load through the new decode process before the tally.
+    poll(
+        "six requests on the new decode",
+        Duration::from_secs(60),
+        || async { (load.tally.lock().await.ok >= 6).then_some(()) },
+    )
+    .await;
+    let tally = load.finish().await;
+    let c = Counters::read(&hosts, &token).await.since(start);
+    report("decode host crashed and rebooted", &tally, c, back);
 
     let report = check_history(&history).await;
     eprintln!("[multi-host] history: {report}");
