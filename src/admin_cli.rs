@@ -1,4 +1,5 @@
-//! `duet tree`, `duet kill`, `duet stop`: clients of every node's admin API.
+//! `duet tree`, `duet kill`, `duet stop`, `duet drain`, `duet resume`: clients of every node's
+//! admin API.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -96,13 +97,7 @@ pub async fn act(config: &Path, path: &str, kill: bool) -> ExitCode {
         Err(code) => return code,
     };
     let node_name = path.split('/').next().unwrap_or_default();
-    let Some(node) = config.node(node_name) else {
-        let names = config.nodes.iter().map(|n| n.name.as_str());
-        eprintln!(
-            "error: no node `{node_name}` in {} (paths start with a node name); nearest: {}",
-            config.path.display(),
-            tree::nearest(node_name, names, 3).join(", ")
-        );
+    let Some(node) = find_node(&config, node_name, " (paths start with a node name)") else {
         return ExitCode::FAILURE;
     };
     let endpoint = if kill {
@@ -130,6 +125,108 @@ pub async fn act(config: &Path, path: &str, kill: bool) -> ExitCode {
         }) if !nearest.is_empty() => {
             eprintln!("error: {message}; nearest: {}", nearest.join(", "));
             ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The node named `name`, or an error naming the nearest ones.
+fn find_node<'a>(
+    config: &'a ClusterConfig,
+    name: &str,
+    hint: &str,
+) -> Option<&'a duet_runtime::config::NodeConfig> {
+    let node = config.node(name);
+    if node.is_none() {
+        let names = config.nodes.iter().map(|n| n.name.as_str());
+        eprintln!(
+            "error: no node `{name}` in {}{hint}; nearest: {}",
+            config.path.display(),
+            tree::nearest(name, names, 3).join(", ")
+        );
+    }
+    node
+}
+
+/// What a node's drain state says, in one line.
+fn drain_line(v: &serde_json::Value) -> String {
+    let node = v["node"].as_str().unwrap_or("?");
+    if !v["draining"].as_bool().unwrap_or(false) {
+        return format!("{node}: taking requests");
+    }
+    if v["empty"].as_bool().unwrap_or(false) {
+        return format!("{node}: drained: holds no request (safe to restart)");
+    }
+    format!("{node}: draining: still holds {}", v["held"])
+}
+
+/// `duet drain NODE`: the node takes no new request and finishes what it holds; with `wait`,
+/// returns once it holds nothing (or fails after `wait`).
+pub async fn drain(config: &Path, name: &str, wait: Option<Duration>) -> ExitCode {
+    let (config, token) = match load(config) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let Some(node) = find_node(&config, name, "") else {
+        return ExitCode::FAILURE;
+    };
+    let call =
+        |method: Method| client::call(node.admin, &token, method, "/v1/drain", None, CALL_TIMEOUT);
+    let mut state = match call(Method::POST).await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}", drain_line(&state));
+    let Some(wait) = wait else {
+        return ExitCode::SUCCESS;
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    while !state["empty"].as_bool().unwrap_or(false) {
+        if tokio::time::Instant::now() >= deadline {
+            eprintln!("error: {name} still holds {} after {wait:?}", state["held"]);
+            return ExitCode::FAILURE;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        state = match call(Method::GET).await {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+    }
+    println!("{}", drain_line(&state));
+    ExitCode::SUCCESS
+}
+
+/// `duet resume NODE`: the node takes new requests again.
+pub async fn resume(config: &Path, name: &str) -> ExitCode {
+    let (config, token) = match load(config) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let Some(node) = find_node(&config, name, "") else {
+        return ExitCode::FAILURE;
+    };
+    match client::call(
+        node.admin,
+        &token,
+        Method::POST,
+        "/v1/resume",
+        None,
+        CALL_TIMEOUT,
+    )
+    .await
+    {
+        Ok(v) => {
+            println!("{}", drain_line(&v));
+            ExitCode::SUCCESS
         }
         Err(e) => {
             eprintln!("error: {e}");

@@ -76,6 +76,25 @@ enum Command {
         /// `NODE/actor/child/...`, as `duet tree` shows.
         path: String,
     },
+    /// Drain a node: it takes no new request and finishes what it holds (it stays up).
+    Drain {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// The node's name.
+        node: String,
+        /// Wait until it holds no request, at most this many seconds.
+        #[arg(long, value_name = "SECS")]
+        wait: Option<u64>,
+    },
+    /// Let a drained node take new requests again.
+    Resume {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// The node's name.
+        node: String,
+    },
     /// Create the cluster certificate, key and token if they do not exist.
     Credentials {
         /// The cluster file.
@@ -143,6 +162,11 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Tree { config, json } => admin_cli::tree(&config, json).await,
         Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
+        Command::Drain { config, node, wait } => {
+            let wait = wait.map(std::time::Duration::from_secs);
+            admin_cli::drain(&config, &node, wait).await
+        }
+        Command::Resume { config, node } => admin_cli::resume(&config, &node).await,
         Command::Credentials { config } => credentials(&config),
         Command::Bench(args) => bench::run(args).await,
         Command::Sim(args) => sim::run(args).await,

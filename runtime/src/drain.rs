@@ -1,6 +1,7 @@
-//! Graceful drain: what a node does between SIGTERM and exit.
+//! Graceful drain: what a node does between SIGTERM and exit, and what an operator asks of a
+//! live node (`duet drain NODE`, `duet resume NODE`).
 //!
-//! On SIGTERM the node marks itself draining. Serving actors see the flag (workers put it in
+//! On SIGTERM (or `duet drain`) the node marks itself draining. Serving actors see the flag (workers put it in
 //! their load reports, so routers stop sending them new requests; a router answers new HTTP
 //! requests 503) and report, through probes, how much work they still hold. The node exits
 //! once every probe has read zero for a quiet window (requests sent just before the routers
@@ -18,9 +19,18 @@ pub const QUIET_WINDOW: Duration = Duration::from_millis(600);
 /// A probe: how many requests an actor still holds.
 type Probe = Box<dyn Fn() -> usize + Send + Sync>;
 
+/// A resume asked of a node that is shutting down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the node is shutting down: it drains to exit and cannot resume")]
+pub struct ResumeRefused;
+
 /// A node's drain state (one per node, in its context).
 pub struct Drain {
     draining: AtomicBool,
+    /// The node is on its way out (a signal or `/v1/shutdown`): a resume would be a lie.
+    exiting: AtomicBool,
+    /// When the drain started (for [`Drain::is_empty`]).
+    since: Mutex<Option<std::time::Instant>>,
     timeout_ms: AtomicU64,
     probes: Mutex<BTreeMap<String, Probe>>,
 }
@@ -29,6 +39,8 @@ impl Default for Drain {
     fn default() -> Self {
         Drain {
             draining: AtomicBool::new(false),
+            exiting: AtomicBool::new(false),
+            since: Mutex::new(None),
             timeout_ms: AtomicU64::new(30_000),
             probes: Mutex::new(BTreeMap::new()),
         }
@@ -41,9 +53,43 @@ impl Drain {
         self.draining.load(Ordering::SeqCst)
     }
 
-    /// Starts draining.
+    /// Starts draining (an operator's drain: the node stays up and may resume).
     pub fn start(&self) {
-        self.draining.store(true, Ordering::SeqCst);
+        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.draining.swap(true, Ordering::SeqCst) {
+            *since = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Draining, holding nothing, and long enough since the drain started that every router
+    /// has heard of it (a request routed just before still arrives within [`QUIET_WINDOW`]).
+    pub fn is_empty(&self) -> bool {
+        let since = *self.since.lock().unwrap_or_else(|p| p.into_inner());
+        self.is_draining()
+            && since.is_some_and(|t| t.elapsed() >= QUIET_WINDOW)
+            && self.busy().is_empty()
+    }
+
+    /// Starts the drain that ends in the node's exit.
+    pub fn start_exit(&self) {
+        self.exiting.store(true, Ordering::SeqCst);
+        self.start();
+    }
+
+    /// Whether the node is draining to exit.
+    pub fn is_exiting(&self) -> bool {
+        self.exiting.load(Ordering::SeqCst)
+    }
+
+    /// Takes new work again after an operator's drain. Refused once the node is exiting.
+    pub fn resume(&self) -> Result<(), ResumeRefused> {
+        if self.is_exiting() {
+            return Err(ResumeRefused);
+        }
+        let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+        self.draining.store(false, Ordering::SeqCst);
+        *since = None;
+        Ok(())
     }
 
     /// The longest the node waits for its work (`serving.shutdown_drain_secs`, set by the
@@ -120,6 +166,18 @@ mod tests {
         let (left, ()) = tokio::join!(drain.wait_idle(), release);
         assert!(left.is_empty());
         assert!(start.elapsed() >= Duration::from_millis(200) + QUIET_WINDOW);
+    }
+
+    #[test]
+    fn an_operators_drain_resumes_but_an_exit_does_not() {
+        let drain = Drain::default();
+        drain.start();
+        assert!(drain.is_draining());
+        assert_eq!(drain.resume(), Ok(()));
+        assert!(!drain.is_draining());
+        drain.start_exit();
+        assert_eq!(drain.resume(), Err(ResumeRefused));
+        assert!(drain.is_draining() && drain.is_exiting());
     }
 
     #[tokio::test]

@@ -232,7 +232,7 @@ impl Node {
             Exit::Drained => {
                 // Admit nothing new, finish what is in flight (up to the drain timeout).
                 let drain = &self.ctx.drain;
-                drain.start();
+                drain.start_exit();
                 tracing::info!(node = %self.ctx.me.name, timeout = ?drain.timeout(), "draining");
                 let left = drain.wait_idle().await;
                 if left.is_empty() {

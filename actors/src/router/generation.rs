@@ -86,8 +86,7 @@ impl Generation {
         if shared.ctx.drain.is_draining() {
             return Err(ApiError::server(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "router: this router is draining (shutting down); send the request to another"
-                    .to_string(),
+                "router: this router is draining; send the request to another".to_string(),
             ));
         }
         let mut policy =

@@ -68,14 +68,17 @@ async fn models(State(s): State<Arc<RouterShared>>) -> Json<Value> {
 
 async fn ready(State(s): State<Arc<RouterShared>>) -> Response {
     let workers = s.ready_workers().len();
-    let status = if workers > 0 {
+    // A draining router is not ready: a load balancer (or Kubernetes) stops sending to it.
+    let draining = s.ctx.drain.is_draining();
+    let ready = workers > 0 && !draining;
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (
         status,
-        Json(json!({"ready": workers > 0, "workers": workers})),
+        Json(json!({"ready": ready, "workers": workers, "draining": draining})),
     )
         .into_response()
 }

@@ -6,6 +6,9 @@
 //! | GET | `/v1/membership` | this node's view of its peers |
 //! | POST | `/v1/actors/kill` | `{"path": "NODE/a/b"}`: kill it (its supervisor restarts it) |
 //! | POST | `/v1/actors/stop` | `{"path": ...}`: stop it gracefully (it stays stopped) |
+//! | GET | `/v1/drain` | drain state: `draining`, `exiting`, work `held` per probe, `empty` |
+//! | POST | `/v1/drain` | drain: take no new request, finish what is held; the node stays up |
+//! | POST | `/v1/resume` | take new requests again (409 while the node shuts down) |
 //! | POST | `/v1/shutdown` | drain and stop the node |
 //! | GET | `/metrics` | Prometheus text |
 //!
@@ -63,6 +66,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/membership", get(get_membership))
         .route("/v1/actors/kill", post(kill))
         .route("/v1/actors/stop", post(stop))
+        .route("/v1/drain", get(drain_state).post(drain))
+        .route("/v1/resume", post(resume))
         .route("/v1/shutdown", post(shutdown))
         .route("/metrics", get(get_metrics))
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
@@ -106,7 +111,12 @@ async fn node_tree(state: &AdminState) -> Result<NodeTree, Response> {
     Ok(NodeTree {
         node: state.ctx.me.name.clone(),
         role: state.ctx.me.role.to_string(),
-        status: "up".to_string(),
+        status: if state.ctx.drain.is_draining() {
+            "draining"
+        } else {
+            "up"
+        }
+        .to_string(),
         error: None,
         root: Some(root),
         pid: Some(std::process::id()),
@@ -197,6 +207,42 @@ async fn act(state: AdminState, path: String, kill: bool) -> Response {
             &format!("the root supervisor did not answer: {e}"),
             vec![],
         ),
+    }
+}
+
+/// The node's drain state: routers stop sending a draining worker new requests; `empty` says
+/// it holds none any more (safe to restart).
+fn drain_json(state: &AdminState) -> serde_json::Value {
+    let d = &state.ctx.drain;
+    let held = d.busy();
+    json!({
+        "node": state.ctx.me.name,
+        "draining": d.is_draining(),
+        "exiting": d.is_exiting(),
+        "held": held,
+        "empty": d.is_empty(),
+    })
+}
+
+async fn drain_state(State(state): State<AdminState>) -> Response {
+    Json(drain_json(&state)).into_response()
+}
+
+async fn drain(State(state): State<AdminState>) -> Response {
+    if !state.ctx.drain.is_draining() {
+        tracing::info!(node = %state.ctx.me.name, "draining (admin): no new requests");
+    }
+    state.ctx.drain.start();
+    Json(drain_json(&state)).into_response()
+}
+
+async fn resume(State(state): State<AdminState>) -> Response {
+    match state.ctx.drain.resume() {
+        Ok(()) => {
+            tracing::info!(node = %state.ctx.me.name, "resumed (admin): taking new requests");
+            Json(drain_json(&state)).into_response()
+        }
+        Err(e) => error(StatusCode::CONFLICT, "exiting", &e.to_string(), vec![]),
     }
 }
 
