@@ -329,6 +329,31 @@ pub fn rows_strided(
             _ => {}
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx2NoF16c)
+        && w.cols.is_multiple_of(BLOCK)
+    {
+        use super::avx2;
+        // SAFETY: the asserts above bound every row, token and output index the kernel
+        // touches; `isa()` detected AVX2 and FMA.
+        match w.ty {
+            Format::Q4_1Wide => {
+                return unsafe {
+                    avx2::rows::<avx2::Q4_1Wide>(
+                        w.bytes, w.cols, first, n, x, tokens, out, out_stride,
+                    )
+                };
+            }
+            Format::Q8_0Wide => {
+                return unsafe {
+                    avx2::rows::<avx2::Q8_0Wide>(
+                        w.bytes, w.cols, first, n, x, tokens, out, out_stride,
+                    )
+                };
+            }
+            _ => {}
+        }
+    }
     crate::dispatch!(rows_kernel(w, x, tokens, first, n, out, out_stride))
 }
 
@@ -441,6 +466,33 @@ mod tests {
                 matmul(w, &x, 5, &mut out, 2);
                 for (a, b) in out.iter().zip(reference(&w, &x, 5)) {
                     assert!((a - b).abs() < 1e-4, "{ty:?}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    /// Whichever kernel this machine dispatches to (AVX-512, AVX2 or portable) computes the
+    /// portable kernel's bits, for both repacked formats, every tile edge and token count.
+    #[test]
+    fn the_dispatched_kernel_computes_the_portable_bits() {
+        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
+            let (rows, cols) = (13, 96);
+            let raw = quantize(ty, &random(rows * cols, 7));
+            let (format, bytes) = repack(ty, &raw);
+            let w = QRef {
+                ty: format,
+                rows,
+                cols,
+                bytes: &bytes,
+            };
+            for tokens in 1..8 {
+                let x = random(tokens * cols, 8 + tokens as u64);
+                for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1)] {
+                    let mut got = vec![0f32; tokens * n];
+                    rows_strided(w, &x, tokens, first, n, &mut got, n);
+                    let mut want = vec![0f32; tokens * n];
+                    rows_kernel(w, &x, tokens, first, n, &mut want, n);
+                    assert_eq!(got, want, "{ty:?} {tokens} tokens, rows {first}+{n}");
                 }
             }
         }

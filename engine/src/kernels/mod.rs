@@ -23,6 +23,8 @@
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod matmul;
 pub mod ops;

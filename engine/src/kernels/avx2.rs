@@ -1,0 +1,197 @@
+//! AVX2 tiles of the quantized matrix product: the AVX-512 kernel's operations on 8-lane
+//! registers.
+//!
+//! The 16 lanes of a dot product (see [`super`]) are two 8-lane registers: lanes 0-7 and 8-15.
+//! For each block of 32 weights, lane `l` takes weight `l` then `16 + l`, each a fused
+//! multiply-add, in block order; the weights are dequantized exactly as the portable kernel
+//! does (`d * q + m` fused for Q4_1, `q * d` for Q8_0). The horizontal sum is the same fixed
+//! tree. So a result's bits equal the portable and AVX-512 kernels' (the matmul tests compare
+//! them), whatever the tile shape.
+
+use std::arch::x86_64::*;
+
+/// The fixed tree over the 16 lanes `(lo, hi)`: pairs `(i, i + 8)`, then `(i, i + 4)`,
+/// `(i, i + 2)`, `(0, 1)`.
+#[inline(always)]
+unsafe fn hsum(lo: __m256, hi: __m256) -> f32 {
+    // SAFETY: register-only operations; AVX2 is enabled by the callers.
+    unsafe {
+        let s8 = _mm256_add_ps(lo, hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
+    }
+}
+
+/// The weights of one block of one row as four 8-lane registers: weights 0-7, 8-15, 16-23,
+/// 24-31.
+pub trait Block {
+    /// Bytes per block.
+    const BYTES: usize;
+    /// Dequantizes the block at `p`.
+    ///
+    /// # Safety
+    /// `p` must point at `BYTES` readable bytes; AVX2 and FMA must be available.
+    unsafe fn load(p: *const u8) -> [__m256; 4];
+}
+
+/// Q4_1 with `d` and `m` widened to f32 (24-byte blocks): byte `j` holds weight `j` (low
+/// nibble) and weight `16 + j` (high nibble).
+pub struct Q4_1Wide;
+
+impl Block for Q4_1Wide {
+    const BYTES: usize = 24;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> [__m256; 4] {
+        // SAFETY: per the trait contract (the block is 24 readable bytes).
+        unsafe {
+            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
+            let m = _mm256_set1_ps(p.add(4).cast::<f32>().read_unaligned());
+            let q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast()));
+            let q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(16).cast()));
+            let low = _mm256_set1_epi32(0x0F);
+            // No closures here: a closure is compiled without the caller's target features,
+            // and the intrinsics inside it stay calls (the debug build showed it).
+            let w0 = _mm256_cvtepi32_ps(_mm256_and_si256(q0, low));
+            let w1 = _mm256_cvtepi32_ps(_mm256_and_si256(q1, low));
+            let w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q0));
+            let w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q1));
+            [
+                _mm256_fmadd_ps(w0, d, m),
+                _mm256_fmadd_ps(w1, d, m),
+                _mm256_fmadd_ps(w2, d, m),
+                _mm256_fmadd_ps(w3, d, m),
+            ]
+        }
+    }
+}
+
+/// Q8_0 with `d` widened to f32 (36-byte blocks).
+pub struct Q8_0Wide;
+
+impl Block for Q8_0Wide {
+    const BYTES: usize = 36;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> [__m256; 4] {
+        // SAFETY: per the trait contract (the block is 36 readable bytes).
+        unsafe {
+            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
+            let q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(4).cast()));
+            let q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(12).cast()));
+            let q2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(20).cast()));
+            let q3 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(28).cast()));
+            [
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q2), d),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q3), d),
+            ]
+        }
+    }
+}
+
+/// One tile: `out[j * out_stride + i] = dot(row i, token j)`.
+///
+/// # Safety
+/// Each `rows[i]` points at `blocks * B::BYTES` readable bytes, each `xs[j]` at `blocks * 32`
+/// readable f32, `out` has room for every written index; AVX2 and FMA are available.
+#[inline(always)]
+unsafe fn tile<B: Block, const R: usize, const T: usize>(
+    rows: [*const u8; R],
+    xs: [*const f32; T],
+    blocks: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    // SAFETY: per the function contract.
+    unsafe {
+        // (lanes 0-7, lanes 8-15) per (row, token).
+        let mut acc = [[(_mm256_setzero_ps(), _mm256_setzero_ps()); T]; R];
+        for b in 0..blocks {
+            let mut x = [[_mm256_setzero_ps(); 4]; T];
+            for j in 0..T {
+                for c in 0..4 {
+                    x[j][c] = _mm256_loadu_ps(xs[j].add(b * 32 + 8 * c));
+                }
+            }
+            for i in 0..R {
+                let w = B::load(rows[i].add(b * B::BYTES));
+                for j in 0..T {
+                    let (lo, hi) = &mut acc[i][j];
+                    *lo = _mm256_fmadd_ps(w[0], x[j][0], *lo);
+                    *hi = _mm256_fmadd_ps(w[1], x[j][1], *hi);
+                    *lo = _mm256_fmadd_ps(w[2], x[j][2], *lo);
+                    *hi = _mm256_fmadd_ps(w[3], x[j][3], *hi);
+                }
+            }
+        }
+        for i in 0..R {
+            for j in 0..T {
+                *out.add(j * out_stride + i) = hsum(acc[i][j].0, acc[i][j].1);
+            }
+        }
+    }
+}
+
+/// Rows `first..first + n` of `W · xᵀ` for `tokens` tokens of `cols` (a multiple of 32).
+/// Writes `out[t * out_stride + (r - first)]`.
+///
+/// # Safety
+/// `w` holds at least `(first + n)` rows of `cols / 32` blocks of `B`; `x` holds
+/// `tokens * cols` f32; `out` holds `tokens * out_stride` f32 with `out_stride >= n`; AVX2
+/// and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows<B: Block>(
+    w: &[u8],
+    cols: usize,
+    first: usize,
+    n: usize,
+    x: &[f32],
+    tokens: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
+    let blocks = cols / 32;
+    let rb = blocks * B::BYTES;
+    let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+    // SAFETY: every pointer below stays inside `w`, `x` and `out` per the contract.
+    unsafe {
+        let row = |r: usize| base.add((first + r) * rb);
+        let tok = |t: usize| xb.add(t * cols);
+        let mut r = 0;
+        while r < n {
+            let tile_rows = (n - r).min(4);
+            let mut t = 0;
+            while t < tokens {
+                let group = (tokens - t).min(2);
+                let o = ob.add(t * out_stride + r);
+                macro_rules! go {
+                    ($R:literal, $T:literal) => {
+                        tile::<B, $R, $T>(
+                            std::array::from_fn(|i| row(r + i)),
+                            std::array::from_fn(|j| tok(t + j)),
+                            blocks,
+                            o,
+                            out_stride,
+                        )
+                    };
+                }
+                match (tile_rows, group) {
+                    (4, 2) => go!(4, 2),
+                    (4, 1) => go!(4, 1),
+                    (3, 2) => go!(3, 2),
+                    (3, 1) => go!(3, 1),
+                    (2, 2) => go!(2, 2),
+                    (2, 1) => go!(2, 1),
+                    (1, 2) => go!(1, 2),
+                    _ => go!(1, 1),
+                }
+                t += group;
+            }
+            r += tile_rows;
+        }
+    }
+}
