@@ -8,13 +8,13 @@
 //! |---------------|-----------|----------------------------------------------------|
 //! | `admission`   | `Attempt` | retries on another worker (pools differ per node)  |
 //! | `prealloc`    | `Attempt` | retries elsewhere, one of `serving.retries`        |
-//! | `peer_lost`   | `Attempt` | retries (or migrates: the client has tokens)       |
+//! | `peer_lost`   | `Attempt` | retries (or migrates: the client has tokens); `Restart` when the prefill worker restarted |
 //! | `stalled`     | `Stalled` | retries around the prefill worker that stalled     |
 //! | `bad_kv`      | `Attempt` | retries; the KV was never served                   |
 //! | `restart`     | `Restart` | retries free (bounded): machinery restarted        |
 //! | `bootstrap`   | `Attempt` | retries: prefill's queue dropped it                |
 //! | `engine`      | `Attempt` | retries elsewhere                                  |
-//! | `worker_lost` | `Attempt` | retries (or migrates)                              |
+//! | `worker_lost` | `Attempt` | retries (or migrates); `Restart` when the worker restarted |
 //! | `router_restart` | `RouterRestart` | retries free and at once               |
 //! | `timeout`     | `Fatal`   | fails the request: its own deadline passed         |
 //!
@@ -101,6 +101,9 @@ pub enum ServingError {
         how: &'static str,
         /// The cause.
         why: String,
+        /// The prefill worker restarted (a new incarnation is proven: its node is up), as
+        /// opposed to its node being unreachable.
+        restarted: bool,
     },
     /// The transfer made no progress for its deadline.
     #[error(
@@ -131,6 +134,8 @@ pub enum ServingError {
         worker: String,
         /// Why the router thinks so.
         cause: String,
+        /// Its load report came from a new incarnation: it restarted and is back.
+        restarted: bool,
     },
     /// The request's own deadline (`serving.request_timeout_secs`) passed.
     #[error("decode: no token within the request timeout of {0:?}")]
@@ -176,6 +181,14 @@ impl ServingError {
             ServingError::RouterRestart => FailureClass::RouterRestart,
             ServingError::Stalled { .. } => FailureClass::Stalled,
             ServingError::Restart(_) => FailureClass::Restart,
+            // A restart proven by a new incarnation is machinery restarting, like a KV sender's
+            // (retried free, bounded); a worker that vanished costs an attempt.
+            ServingError::WorkerLost {
+                restarted: true, ..
+            }
+            | ServingError::PeerLost {
+                restarted: true, ..
+            } => FailureClass::Restart,
             ServingError::Remote { class, .. } => *class,
             _ => FailureClass::Attempt,
         }
@@ -206,6 +219,16 @@ mod tests {
             (fatal.code(), fatal.class()),
             (ErrorCode::Timeout, FailureClass::Fatal)
         );
+        // A restart proven by a new incarnation is retried free (bounded); a worker that
+        // vanished costs an attempt.
+        let lost = |restarted| ServingError::WorkerLost {
+            worker: "d0".into(),
+            cause: "it restarted".into(),
+            restarted,
+        };
+        assert_eq!(lost(true).class(), FailureClass::Restart);
+        assert_eq!(lost(false).class(), FailureClass::Attempt);
+        assert_eq!(lost(true).code(), ErrorCode::WorkerLost);
         let elsewhere = ServingError::Admission("the pool holds 4096 tokens".into());
         assert_eq!(elsewhere.class(), FailureClass::Attempt);
         // A peer's own text never changes what the router does; its class does.

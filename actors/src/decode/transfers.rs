@@ -510,6 +510,7 @@ impl DecodeCore {
                 node: node.to_string(),
                 how: phase,
                 why: why.to_string(),
+                restarted: !forget_peer,
             };
             self.fail(t.seq, e, items);
         }
@@ -519,6 +520,7 @@ impl DecodeCore {
                 node: node.to_string(),
                 how: phase,
                 why: why.to_string(),
+                restarted: !forget_peer,
             };
             self.fail(p.seq, e, items);
             self.drop_bootstrap_half(&p.peer);

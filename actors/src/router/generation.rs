@@ -203,6 +203,7 @@ impl Generation {
                     &ServingError::WorkerLost {
                         worker: started.worker.clone(),
                         cause: "its stream closed".into(),
+                        restarted: false,
                     },
                 ),
                 Err(_) => {

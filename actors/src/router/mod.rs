@@ -414,8 +414,9 @@ impl RouterShared {
         }
     }
 
-    /// Fails every request `worker` holds (it is down or restarted).
-    fn fail_worker(&self, worker: &str, cause: &str) {
+    /// Fails every request `worker` holds (it is down, or `restarted`: back as a new
+    /// incarnation).
+    fn fail_worker(&self, worker: &str, cause: &str, restarted: bool) {
         let mut pending = self.lock_pending();
         let lost: Vec<u64> = pending
             .iter()
@@ -427,6 +428,7 @@ impl RouterShared {
                 let lost = ServingError::WorkerLost {
                     worker: worker.to_string(),
                     cause: cause.to_string(),
+                    restarted,
                 };
                 let _ = p.tx.send(TokenItem::failed(id, &lost));
             }
@@ -652,7 +654,7 @@ impl Actor for RouterActor {
                             previous.filter(|(o, _)| o.incarnation != report.incarnation)
                         {
                             tracing::warn!(worker = %old.worker, "worker restarted");
-                            shared.fail_worker(&old.worker, "it restarted");
+                            shared.fail_worker(&old.worker, "it restarted", true);
                         }
                     }
                 }
@@ -660,7 +662,7 @@ impl Actor for RouterActor {
             },
             RouterMsg::Membership(MembershipEvent::Down { peer }) => {
                 shared.lock_workers().remove(&peer);
-                shared.fail_worker(&peer, "membership marked it down");
+                shared.fail_worker(&peer, "membership marked it down", false);
             }
             RouterMsg::Membership(MembershipEvent::Up { .. }) => {}
         }
