@@ -108,20 +108,7 @@ async fn metric_on(h: &Hosts, host: &str, token: &str, name: &str, labels: &str)
 
 /// Waits until the router reports `workers` ready workers.
 async fn router_ready_on(h: &Hosts, workers: usize) {
-    let want = format!("\"workers\":{workers}");
-    poll("the workers ready", Duration::from_secs(120), || async {
-        let out = h
-            .command("hrouter", "curl")
-            .args(["-s", "--max-time", "2"])
-            .arg(format!("http://127.0.0.1:{HTTP}/ready"))
-            .output()
-            .await
-            .ok()?;
-        String::from_utf8_lossy(&out.stdout)
-            .contains(&want)
-            .then_some(())
-    })
-    .await;
+    router_ready_with(HTTP, workers, || h.command("hrouter", "curl")).await;
 }
 
 /// What the clients saw in one scenario.

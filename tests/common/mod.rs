@@ -362,9 +362,14 @@ pub fn find<'a>(tree: &'a Value, path: &str) -> Option<&'a Value> {
 
 /// Waits (with a deadline) until the router on `http` reports `workers` ready workers.
 pub async fn router_ready(http: u16, workers: usize) {
+    router_ready_with(http, workers, || Command::new("curl")).await;
+}
+
+/// [`router_ready`] with curl started by `curl` (on another host, say).
+pub async fn router_ready_with(http: u16, workers: usize, curl: impl Fn() -> Command) {
     let want = format!("\"workers\":{workers}");
     poll("the workers ready", Duration::from_secs(120), || async {
-        let out = tokio::process::Command::new("curl")
+        let out = curl()
             .args(["-s", "--max-time", "2"])
             .arg(format!("http://127.0.0.1:{http}/ready"))
             .output()
