@@ -162,8 +162,12 @@ impl Generation {
             "starting another attempt"
         );
         // The failure that ended the last attempt (a worker down) is often what the next
-        // start runs into: it waits for a worker as the first start does.
-        let deadline = self.arrived + self.shared.settings.request_timeout;
+        // start runs into: it waits for a worker as the first start does. The deadline
+        // measures lack of progress, as `request_timeout_secs` says: a long stream whose
+        // decode worker is paused or restarting waits as long as a new request would, from
+        // its last token, not from when it arrived.
+        let progress = self.last_token.unwrap_or(self.arrived);
+        let deadline = progress + self.shared.settings.request_timeout;
         let started = start_attempt(
             &self.shared,
             &prompt,
