@@ -11,6 +11,7 @@ mod admin_cli;
 mod bench;
 mod chaos;
 mod generate;
+mod rollout;
 mod sim;
 mod up;
 
@@ -86,6 +87,19 @@ enum Command {
         /// Wait until it holds no request, at most this many seconds.
         #[arg(long, value_name = "SECS")]
         wait: Option<u64>,
+    },
+    /// Restart every node of a role, one at a time: drain, restart (on the binary installed
+    /// now), wait until every router sees it back, resume. A rolling upgrade.
+    Rollout {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// The role whose nodes restart: router, prefill or decode.
+        #[arg(long)]
+        role: String,
+        /// The longest one step (drain, come back, be seen) may take, in seconds.
+        #[arg(long, value_name = "SECS", default_value_t = 120)]
+        wait: u64,
     },
     /// Let a drained node take new requests again.
     Resume {
@@ -167,6 +181,9 @@ async fn run(cli: Cli) -> ExitCode {
             admin_cli::drain(&config, &node, wait).await
         }
         Command::Resume { config, node } => admin_cli::resume(&config, &node).await,
+        Command::Rollout { config, role, wait } => {
+            rollout::run(&config, &role, std::time::Duration::from_secs(wait)).await
+        }
         Command::Credentials { config } => credentials(&config),
         Command::Bench(args) => bench::run(args).await,
         Command::Sim(args) => sim::run(args).await,
@@ -230,6 +247,7 @@ async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
     );
     match node.run().await {
         Exit::Drained => ExitCode::SUCCESS,
+        Exit::Restart => ExitCode::from(node::EXIT_RESTART),
         Exit::RootEscalated => {
             eprintln!("error: node {name}: the root supervisor gave up (see the log above)");
             ExitCode::from(EXIT_ESCALATED)

@@ -10,7 +10,9 @@
 //! process dies (a crash, SIGKILL, a non-zero exit) is started again after a growing pause
 //! (100 ms, doubling, at most 5 s), at most `[supervision.node]` `max_restarts` times within
 //! `within_secs` (then it stays down, with an error naming it). A node that exits 0 drained on
-//! purpose (SIGTERM) and is not restarted. `duet tree` shows each node's process restarts.
+//! purpose (SIGTERM) and is not restarted; one that exits with `EXIT_RESTART` (75) drained to be
+//! restarted (`duet rollout`) and starts again at once, from the binary installed now.
+//! `duet tree` shows each node's process restarts.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -20,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use duet_runtime::config::{ClusterConfig, RestartPolicy};
 use duet_runtime::credentials::Credentials;
-use duet_runtime::node::{PROCESS_RESTARTS_ENV, READY_MARKER, ShutdownSignals};
+use duet_runtime::node::{EXIT_RESTART, PROCESS_RESTARTS_ENV, READY_MARKER, ShutdownSignals};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -278,6 +280,11 @@ pub async fn run(config_path: &Path) -> ExitCode {
                     let how = describe(&status);
                     if status.as_ref().is_ok_and(ExitStatus::success) {
                         eprintln!("warning: node {name} exited ({how}): it drained; not restarting it");
+                    } else if status.as_ref().is_ok_and(|s| s.code() == Some(i32::from(EXIT_RESTART))) {
+                        // Asked to restart (`duet rollout`): at once, on the binary installed
+                        // now, and not a crash (the restart intensity does not count it).
+                        eprintln!("node {name} drained to restart; starting it again");
+                        let _ = launcher.events.send(Event::Restart(name.clone()));
                     } else {
                         schedule_restart(p, &policy, &how, &launcher.events);
                     }

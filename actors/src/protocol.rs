@@ -128,6 +128,9 @@ pub struct LayoutInfo {
     pub layout: KvLayout,
     /// Hash of the GGUF's metadata and tensor table.
     pub fingerprint: String,
+    /// The engine's [`duet_engine::KV_FORMAT`]: the version of the bits a page holds.
+    #[serde(default)]
+    pub kv_format: u32,
 }
 
 impl LayoutInfo {
@@ -148,6 +151,13 @@ impl LayoutInfo {
         }
         if a.dtype != b.dtype {
             return diff("kv_dtype", a.dtype.to_string(), b.dtype.to_string());
+        }
+        if self.kv_format != other.kv_format {
+            return diff(
+                "the engine's KV format",
+                self.kv_format.to_string(),
+                other.kv_format.to_string(),
+            );
         }
         if self.fingerprint != other.fingerprint {
             return diff(
@@ -538,4 +548,42 @@ pub struct LoadReport {
     pub cached_pages: usize,
     /// Pages of aborted transfers not yet proven drained.
     pub quarantined_pages: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use duet_gpu::{KvDtype, KvLayout};
+
+    use super::LayoutInfo;
+
+    #[test]
+    fn pages_move_only_between_equal_layouts_models_and_kv_formats() {
+        let a = LayoutInfo {
+            layout: KvLayout {
+                n_layers: 30,
+                n_kv_heads: 3,
+                head_dim: 64,
+                page_size: 16,
+                dtype: KvDtype::F32,
+            },
+            fingerprint: "abc".into(),
+            kv_format: duet_engine::KV_FORMAT,
+        };
+        assert_eq!(a.mismatch(&a.clone(), "p0", "d0"), None);
+        // A build whose kernels compute other KV bits: named, with both values.
+        let later = LayoutInfo {
+            kv_format: a.kv_format + 1,
+            ..a.clone()
+        };
+        let why = a.mismatch(&later, "p0", "d0").expect("a mismatch");
+        assert!(
+            why.contains("KV format") && why.contains("p0") && why.contains("d0"),
+            "{why}"
+        );
+        let other_model = LayoutInfo {
+            fingerprint: "def".into(),
+            ..a.clone()
+        };
+        assert!(a.mismatch(&other_model, "p0", "d0").is_some());
+    }
 }

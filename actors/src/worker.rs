@@ -40,6 +40,7 @@ pub(crate) fn layout_info(model: &Model, o: &EngineOptions) -> LayoutInfo {
     LayoutInfo {
         layout: Engine::layout_for(model, o),
         fingerprint: model.fingerprint.clone(),
+        kv_format: duet_engine::KV_FORMAT,
     }
 }
 

@@ -29,6 +29,14 @@ pub mod tiny;
 pub mod tokenizer;
 
 pub use engine::{Engine, EngineError, EngineOptions, SeqChunk};
+
+/// The version of the numbers a KV page holds for a given model and layout. Bumped when a
+/// change to the kernels changes those bits (not when it only makes them faster): pages move
+/// between two workers only when both compute the same bits, so a continuation on another
+/// worker equals a run on one (the batch invariance the tests check). Workers of builds with
+/// different formats still serve, each on its own, during a rolling upgrade; the router does
+/// not pair them.
+pub const KV_FORMAT: u32 = 1;
 pub use model::Model;
 pub use runner::Runner;
 pub use sampling::{FinishReason, SamplingParams};

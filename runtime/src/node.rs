@@ -79,6 +79,9 @@ pub enum NodeError {
     /// The supervision tree did not start.
     #[error("the supervision tree did not start: {0}")]
     Start(String),
+    /// The test-only wire version override is malformed.
+    #[error("{0}")]
+    WireVersions(String),
 }
 
 /// A started node.
@@ -89,14 +92,22 @@ pub struct Node {
     admin_server: JoinHandle<()>,
     shutdown: watch::Receiver<bool>,
     shutdown_tx: watch::Sender<bool>,
+    restart: Arc<std::sync::atomic::AtomicBool>,
     signals: ShutdownSignals,
 }
+
+/// The exit code of a node that stopped to be started again (`POST /v1/restart`, as
+/// `duet rollout` asks): `EX_TEMPFAIL`. `duet up` starts such a node again at once, without
+/// counting it as a crash; Kubernetes restarts any container that exits.
+pub const EXIT_RESTART: u8 = 75;
 
 /// How a node's run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Exit {
     /// Drained on request (signal or admin API).
     Drained,
+    /// Drained to be started again (admin API): the process exits with [`EXIT_RESTART`].
+    Restart,
     /// The root supervisor gave up: the restart intensity was exceeded all the way up.
     RootEscalated,
 }
@@ -115,6 +126,7 @@ impl Node {
         role_children: &dyn Fn(&Arc<NodeContext>) -> Vec<ChildSpec>,
     ) -> Result<Node, NodeError> {
         let signals = ShutdownSignals::new();
+        crate::wire::Versions::from_env().map_err(NodeError::WireVersions)?;
         let me = config
             .node(name)
             .cloned()
@@ -182,11 +194,13 @@ impl Node {
         .map_err(|e| NodeError::Start(e.to_string()))?;
 
         let (shutdown_tx, shutdown) = watch::channel(false);
+        let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let app = admin::router(AdminState {
             ctx: ctx.clone(),
             root: root.clone(),
             metrics: crate::metrics::install(),
             shutdown: shutdown_tx.clone(),
+            restart: restart.clone(),
         });
         let mut stop_admin = shutdown.clone();
         let admin_server = tokio::spawn(async move {
@@ -207,6 +221,7 @@ impl Node {
             admin_server,
             shutdown,
             shutdown_tx,
+            restart,
             signals,
         })
     }
@@ -225,11 +240,17 @@ impl Node {
     pub async fn run(mut self) -> Exit {
         let exit = tokio::select! {
             _ = self.signals.recv() => Exit::Drained,
-            _ = self.shutdown.wait_for(|s| *s) => Exit::Drained,
+            _ = self.shutdown.wait_for(|s| *s) => {
+                if self.restart.load(std::sync::atomic::Ordering::SeqCst) {
+                    Exit::Restart
+                } else {
+                    Exit::Drained
+                }
+            }
             _ = &mut self.root_done => Exit::RootEscalated,
         };
         match exit {
-            Exit::Drained => {
+            Exit::Drained | Exit::Restart => {
                 // Admit nothing new, finish what is in flight (up to the drain timeout).
                 let drain = &self.ctx.drain;
                 drain.start_exit();

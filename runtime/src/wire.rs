@@ -9,8 +9,87 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-/// The envelope format this build speaks. A peer sending another version is refused.
+/// The newest envelope format this build speaks (what it writes to a peer that speaks it too).
 pub const WIRE_VERSION: u16 = 1;
+/// The oldest envelope format this build still reads and writes. Two builds link when their
+/// ranges overlap and then use the newest version both speak (see [`Versions::negotiate`]), so
+/// a rolling upgrade runs old and new nodes side by side; a peer outside the range is refused.
+pub const WIRE_VERSION_MIN: u16 = 1;
+/// The version of the handshake's envelopes (`link.hello` and its answer), frozen forever: any
+/// two builds can tell each other which versions they speak, and why they do not link.
+pub const HANDSHAKE_VERSION: u16 = 1;
+/// Test-only: `MIN-MAX` (or `MAX`, from [`WIRE_VERSION_MIN`]) makes this process speak another
+/// range, as a later build would. Tests of rolling upgrades run "two builds" with it.
+pub const TEST_VERSIONS_ENV: &str = "DUET_TEST_WIRE_VERSIONS";
+
+/// The wire versions a node speaks: the oldest it still reads and writes, and its newest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Versions {
+    /// The oldest.
+    pub min: u16,
+    /// The newest.
+    pub max: u16,
+}
+
+impl Versions {
+    /// What this build speaks.
+    pub const BUILD: Versions = Versions {
+        min: WIRE_VERSION_MIN,
+        max: WIRE_VERSION,
+    };
+
+    /// What a peer that names no range speaks: version 1 alone.
+    pub fn legacy() -> Versions {
+        Versions { min: 1, max: 1 }
+    }
+
+    /// What this process speaks: [`Versions::BUILD`], unless [`TEST_VERSIONS_ENV`] says
+    /// otherwise (a malformed value is reported by [`Versions::from_env`] at node start).
+    pub fn spoken() -> Versions {
+        static SPOKEN: std::sync::OnceLock<Versions> = std::sync::OnceLock::new();
+        *SPOKEN.get_or_init(|| Versions::from_env().unwrap_or(Versions::BUILD))
+    }
+
+    /// The range [`TEST_VERSIONS_ENV`] sets, or [`Versions::BUILD`] when it is unset.
+    pub fn from_env() -> Result<Versions, String> {
+        match std::env::var(TEST_VERSIONS_ENV) {
+            Ok(v) => Versions::parse(&v).ok_or_else(|| {
+                format!("{TEST_VERSIONS_ENV}=`{v}`: expected MAX or MIN-MAX, 1 <= MIN <= MAX")
+            }),
+            Err(_) => Ok(Versions::BUILD),
+        }
+    }
+
+    fn parse(v: &str) -> Option<Versions> {
+        let (min, max) = match v.split_once('-') {
+            Some((a, b)) => (a.trim().parse().ok()?, b.trim().parse().ok()?),
+            None => (WIRE_VERSION_MIN, v.trim().parse().ok()?),
+        };
+        (1 <= min && min <= max).then_some(Versions { min, max })
+    }
+
+    /// Whether `version` is in the range.
+    pub fn contains(&self, version: u16) -> bool {
+        (self.min..=self.max).contains(&version)
+    }
+
+    /// The version a link between `self` and `theirs` uses: the newest both speak; `None`
+    /// when the ranges do not overlap (the builds cannot talk, and the link is refused).
+    pub fn negotiate(self, theirs: Versions) -> Option<u16> {
+        let v = self.max.min(theirs.max);
+        (v >= self.min && v >= theirs.min).then_some(v)
+    }
+}
+
+impl std::fmt::Display for Versions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.min == self.max {
+            write!(f, "{}", self.min)
+        } else {
+            write!(f, "{} to {}", self.min, self.max)
+        }
+    }
+}
 /// Bytes of the length prefix.
 pub const FRAME_HEADER_LEN: usize = 4;
 
@@ -109,13 +188,13 @@ pub enum WireError {
     /// The payload is not a valid envelope.
     #[error("malformed envelope: {0}")]
     Malformed(String),
-    /// The envelope is from another wire version.
-    #[error("wire version {got} is not supported (this node speaks {supported})")]
+    /// The envelope is from a wire version this node does not speak.
+    #[error("wire version {got} is not supported (this node speaks {speaks})")]
     UnsupportedVersion {
         /// Version in the envelope.
         got: u16,
-        /// [`WIRE_VERSION`].
-        supported: u16,
+        /// What this node speaks ([`Versions::spoken`]).
+        speaks: Versions,
     },
 }
 
@@ -163,10 +242,12 @@ pub fn frame_len(header: [u8; FRAME_HEADER_LEN], max: u32) -> Result<usize, Wire
 pub fn decode_payload(payload: &[u8]) -> Result<Envelope, WireError> {
     let env: Envelope =
         rmp_serde::from_slice(payload).map_err(|e| WireError::Malformed(e.to_string()))?;
-    if env.version != WIRE_VERSION {
+    let speaks = Versions::spoken();
+    let handshake = env.version == HANDSHAKE_VERSION && env.kind.starts_with("link.");
+    if !speaks.contains(env.version) && !handshake {
         return Err(WireError::UnsupportedVersion {
             got: env.version,
-            supported: WIRE_VERSION,
+            speaks,
         });
     }
     Ok(env)
@@ -292,9 +373,35 @@ mod tests {
             decode_payload(&frame[FRAME_HEADER_LEN..]),
             Err(WireError::UnsupportedVersion {
                 got: 9,
-                supported: WIRE_VERSION
+                speaks: Versions::BUILD
             })
         );
+        // The handshake's envelopes are read whatever the range, so two builds can say why
+        // they do not link.
+        env.kind = "link.hello".into();
+        env.version = HANDSHAKE_VERSION;
+        let frame = encode_frame(&env);
+        assert!(decode_payload(&frame[FRAME_HEADER_LEN..]).is_ok());
+    }
+
+    #[test]
+    fn links_use_the_newest_version_both_speak() {
+        let v = |min, max| Versions { min, max };
+        assert_eq!(v(1, 1).negotiate(v(1, 1)), Some(1));
+        // A rolling upgrade: the new build still speaks the old version.
+        assert_eq!(v(1, 2).negotiate(v(1, 1)), Some(1));
+        assert_eq!(v(1, 1).negotiate(v(1, 2)), Some(1));
+        assert_eq!(v(1, 2).negotiate(v(1, 3)), Some(2));
+        assert_eq!(v(2, 3).negotiate(v(1, 2)), Some(2));
+        // Ranges that do not overlap never link.
+        assert_eq!(v(1, 1).negotiate(v(2, 3)), None);
+        assert_eq!(v(3, 4).negotiate(v(1, 2)), None);
+        assert_eq!(Versions::parse("2"), Some(v(WIRE_VERSION_MIN, 2)));
+        assert_eq!(Versions::parse("3-3"), Some(v(3, 3)));
+        for bad in ["", "0", "3-2", "x", "1-", "0-1"] {
+            assert_eq!(Versions::parse(bad), None, "{bad}");
+        }
+        assert_eq!(v(1, 2).to_string(), "1 to 2");
     }
 
     #[test]
@@ -316,7 +423,7 @@ mod tests {
             dec.push(&bytes);
             for _ in 0..64 {
                 match dec.next_frame() {
-                    Ok(Some(env)) => prop_assert_eq!(env.version, WIRE_VERSION),
+                    Ok(Some(env)) => prop_assert!(Versions::BUILD.contains(env.version) || env.kind.starts_with("link.")),
                     Ok(None) | Err(_) => break,
                 }
             }
@@ -359,7 +466,7 @@ mod tests {
             let mut dec = FrameDecoder::new(1 << 12);
             dec.push(&frame);
             match dec.next_frame() {
-                Ok(Some(env)) => prop_assert_eq!(env.version, WIRE_VERSION),
+                Ok(Some(env)) => prop_assert!(Versions::BUILD.contains(env.version) || env.kind.starts_with("link.")),
                 Ok(None) => prop_assert!(dec.finish().is_err()),
                 Err(e) => prop_assert!(!e.to_string().is_empty()),
             }

@@ -9,7 +9,7 @@ use common::{Pair, pair};
 
 use duet_runtime::credentials::{CLUSTER_SERVER_NAME, Credentials};
 use duet_runtime::echo;
-use duet_runtime::link::{Hello, LinkError, close_code, kinds, tls};
+use duet_runtime::link::{Hello, LinkError, Welcome, close_code, kinds, tls};
 use duet_runtime::wire::{self, Envelope, Flow, WIRE_VERSION};
 
 fn metrics_line(name: &str, labels: &[&str]) -> f64 {
@@ -70,6 +70,29 @@ async fn requests_answers_order_and_remote_failures() {
 /// A client holding the cluster credentials that speaks raw frames to node `b` as node `a`.
 async fn raw_client(p: &Pair) -> (quinn::Connection, quinn::SendStream, quinn::RecvStream) {
     let creds = Credentials::load(&p.config.credentials).expect("creds");
+    let hello = Hello {
+        cluster: p.config.name.clone(),
+        node: "a".into(),
+        token: creds.token.expose().to_string(),
+        wire: wire::Versions::BUILD,
+        build: "a raw test client".into(),
+    };
+    let (conn, send, recv, welcome) = raw_hello(p, &wire::encode_body(&hello)).await;
+    assert_eq!(welcome.expect("welcome").kind, kinds::WELCOME);
+    (conn, send, recv)
+}
+
+/// Sends `hello` (an encoded body) to node `b` as node `a`; the answer envelope.
+async fn raw_hello(
+    p: &Pair,
+    hello: &[u8],
+) -> (
+    quinn::Connection,
+    quinn::SendStream,
+    quinn::RecvStream,
+    Result<Envelope, (quinn::VarInt, String)>,
+) {
+    let creds = Credentials::load(&p.config.credentials).expect("creds");
     let (_, client) =
         tls::endpoint_configs(&creds, Duration::from_secs(1), Duration::from_secs(5)).expect("tls");
     let mut endpoint =
@@ -82,22 +105,98 @@ async fn raw_client(p: &Pair) -> (quinn::Connection, quinn::SendStream, quinn::R
         .await
         .expect("handshake");
     let (mut send, mut recv) = conn.open_bi().await.expect("stream");
-    let hello = Hello {
-        cluster: p.config.name.clone(),
-        node: "a".into(),
-        token: creds.token.expose().to_string(),
-    };
-    let env = Envelope::one_way(kinds::HELLO, "a/link", "link", wire::encode_body(&hello));
+    let env = Envelope::one_way(kinds::HELLO, "a/link", "link", hello.to_vec());
     send.write_all(&wire::encode_frame(&env))
         .await
         .expect("hello");
     let mut header = [0u8; 4];
-    recv.read_exact(&mut header).await.expect("welcome header");
-    let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
-    recv.read_exact(&mut payload).await.expect("welcome");
-    let welcome = wire::decode_payload(&payload).expect("decode");
-    assert_eq!(welcome.kind, kinds::WELCOME);
-    (conn, send, recv)
+    let answer = match recv.read_exact(&mut header).await {
+        Ok(()) => {
+            let mut payload = vec![0u8; u32::from_be_bytes(header) as usize];
+            recv.read_exact(&mut payload).await.expect("answer");
+            Ok(wire::decode_payload(&payload).expect("decode"))
+        }
+        // A refusal closes the connection at once: its frame may not arrive, its reason does.
+        Err(_) => match conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => Err((
+                c.error_code,
+                String::from_utf8_lossy(&c.reason).into_owned(),
+            )),
+            other => panic!("no answer to the hello: {other:?}"),
+        },
+    };
+    (conn, send, recv, answer)
+}
+
+/// Two builds link when their wire versions overlap, on the newest both speak; otherwise the
+/// dialer is refused with both ranges named (a rolling upgrade never splits on garbage).
+#[tokio::test(flavor = "multi_thread")]
+async fn hellos_negotiate_the_wire_version() {
+    let p = pair().await;
+    let creds = Credentials::load(&p.config.credentials).expect("creds");
+    let hello = |min, max| Hello {
+        cluster: p.config.name.clone(),
+        node: "a".into(),
+        token: creds.token.expose().to_string(),
+        wire: wire::Versions { min, max },
+        build: "duet 9.9.9".into(),
+    };
+    let b = wire::Versions::BUILD;
+    // A later build that still speaks this one's newest version: that one is used.
+    let (_c, _s, _r, answer) = raw_hello(&p, &wire::encode_body(&hello(b.max, b.max + 3))).await;
+    let answer = answer.expect("welcome");
+    assert_eq!(answer.kind, kinds::WELCOME);
+    let welcome: Welcome = wire::decode_body(&answer.body).expect("a welcome");
+    assert_eq!(welcome.wire, b.max);
+    assert_eq!(welcome.build, duet_runtime::link::build());
+    // A build before versions were negotiated sends three fields: it speaks version 1.
+    #[derive(serde::Serialize)]
+    struct OldHello {
+        cluster: String,
+        node: String,
+        token: String,
+    }
+    let old = OldHello {
+        cluster: p.config.name.clone(),
+        node: "a".into(),
+        token: creds.token.expose().to_string(),
+    };
+    let (_c, _s, _r, answer) = raw_hello(&p, &wire::encode_body(&old)).await;
+    let answer = answer.expect("welcome");
+    let welcome: Welcome = wire::decode_body(&answer.body).expect("a welcome");
+    assert_eq!(welcome.wire, 1);
+    // No version in common: refused, naming both ranges, counted.
+    let before = metrics_line(
+        "duet_link_handshake_failures_total",
+        &["reason=\"version\""],
+    );
+    let (_c, _s, _r, answer) =
+        raw_hello(&p, &wire::encode_body(&hello(b.max + 1, b.max + 2))).await;
+    let reason = match answer {
+        Ok(env) => {
+            assert_eq!(env.kind, kinds::REFUSED);
+            wire::decode_body::<String>(&env.body).expect("a reason")
+        }
+        Err((code, reason)) => {
+            assert_eq!(code, close_code::REFUSED.into());
+            reason
+        }
+    };
+    assert!(
+        reason.contains("incompatible builds")
+            && reason.contains("duet 9.9.9")
+            && reason.contains(&format!("{} to {}", b.max + 1, b.max + 2)),
+        "{reason}"
+    );
+    assert_eq!(
+        metrics_line(
+            "duet_link_handshake_failures_total",
+            &["reason=\"version\""]
+        ),
+        before + 1.0
+    );
+    p.a.stop().await;
+    p.b.stop().await;
 }
 
 async fn closed_with_protocol_error(conn: &quinn::Connection) -> String {

@@ -10,6 +10,7 @@
 //! | POST | `/v1/drain` | drain: take no new request, finish what is held; the node stays up |
 //! | POST | `/v1/resume` | take new requests again (409 while the node shuts down) |
 //! | POST | `/v1/shutdown` | drain and stop the node |
+//! | POST | `/v1/restart` | drain and stop the node, exiting with [`crate::node::EXIT_RESTART`]: its supervisor (`duet up`, Kubernetes) starts it again at once, on the binary now installed (`duet rollout`) |
 //! | GET | `/metrics` | Prometheus text |
 //!
 //! Authentication is `Authorization: Bearer <cluster token>`. Errors are JSON:
@@ -50,6 +51,8 @@ pub struct AdminState {
     pub metrics: PrometheusHandle,
     /// Set to true to ask the node to drain and stop.
     pub shutdown: watch::Sender<bool>,
+    /// Set before `shutdown` when the stop is a restart.
+    pub restart: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Body of kill and stop.
@@ -69,6 +72,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/drain", get(drain_state).post(drain))
         .route("/v1/resume", post(resume))
         .route("/v1/shutdown", post(shutdown))
+        .route("/v1/restart", post(restart))
         .route("/metrics", get(get_metrics))
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
         .with_state(state)
@@ -137,6 +141,15 @@ async fn get_membership(State(state): State<AdminState>) -> Response {
         "incarnation": state.ctx.incarnation,
         "down_after_ms": state.ctx.config.membership.down_after().as_millis() as u64,
         "peers": state.ctx.membership.snapshot(),
+        "wire": crate::wire::Versions::spoken(),
+        "build": crate::link::build(),
+        // Per connected peer: the wire version its link negotiated and its build.
+        "links": state
+            .ctx
+            .links
+            .iter()
+            .filter_map(|l| l.peer_link().map(|p| (l.peer().to_string(), p)))
+            .collect::<std::collections::BTreeMap<_, _>>(),
     }))
     .into_response()
 }
@@ -249,6 +262,16 @@ async fn resume(State(state): State<AdminState>) -> Response {
 async fn shutdown(State(state): State<AdminState>) -> Response {
     let _ = state.shutdown.send(true);
     Json(json!({"node": state.ctx.me.name, "action": "draining"})).into_response()
+}
+
+async fn restart(State(state): State<AdminState>) -> Response {
+    tracing::info!(node = %state.ctx.me.name, "restart (admin): draining, then exiting to be started again");
+    state
+        .restart
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = state.shutdown.send(true);
+    Json(json!({"node": state.ctx.me.name, "action": "restarting", "incarnation": state.ctx.incarnation}))
+        .into_response()
 }
 
 async fn get_metrics(State(state): State<AdminState>) -> Response {

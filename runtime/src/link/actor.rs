@@ -10,13 +10,13 @@ use rand::Rng;
 use tokio::task::JoinHandle;
 
 use super::{
-    Hello, LinkError, LinkHandle, ReadFailure, Session, close_code, count_frame_error, kinds,
-    read_frame, write_envelope,
+    Hello, LinkError, LinkHandle, PeerLink, ReadFailure, Session, Welcome, close_code,
+    count_frame_error, kinds, read_frame, write_envelope,
 };
 use crate::context::NodeContext;
 use crate::credentials::CLUSTER_SERVER_NAME;
 use crate::metrics as m;
-use crate::wire::{self, Envelope, Flow};
+use crate::wire::{self, Envelope, Flow, HANDSHAKE_VERSION, Versions};
 
 /// Owns the connection to one peer.
 pub struct LinkActor;
@@ -149,13 +149,25 @@ impl Actor for LinkActor {
                             myself.clone(),
                         )));
                         state.session = Some(session.clone());
+                        let link = session.link.clone();
                         state.handle.install(Some(session));
                         state.backoff = state.ctx.config.link.reconnect_min;
                         metrics::counter!(m::LINK_CONNECTS, "peer" => state.handle.peer().to_string())
                             .increment(1);
-                        tracing::info!(peer = state.handle.peer(), generation, "link up");
+                        tracing::info!(
+                            peer = state.handle.peer(),
+                            generation,
+                            wire = link.wire,
+                            build = %link.build,
+                            "link up"
+                        );
                     }
                     Err(e) => {
+                        if matches!(e, LinkError::Refused { .. }) {
+                            // A refusal (token, membership, incompatible build) lasts until
+                            // someone changes a node: ask again at the slowest pace.
+                            state.backoff = state.ctx.config.link.reconnect_max;
+                        }
                         let delay = state.next_backoff();
                         if matches!(e, LinkError::Refused { .. }) {
                             tracing::error!(error = %e, retry_in = ?delay, "link refused");
@@ -203,13 +215,16 @@ async fn dial(state: &LinkState) -> Result<(Session, quinn::RecvStream), LinkErr
             cluster: ctx.config.name.clone(),
             node: ctx.me.name.clone(),
             token: ctx.credentials.token.expose().to_string(),
+            wire: Versions::spoken(),
+            build: super::build(),
         };
-        let env = Envelope::one_way(
+        let mut env = Envelope::one_way(
             kinds::HELLO,
             &format!("{}/link", ctx.me.name),
             "link",
             wire::encode_body(&hello),
         );
+        env.version = HANDSHAKE_VERSION;
         write_envelope(&mut send, &env)
             .await
             .map_err(|e| connect_err(e.to_string()))?;
@@ -240,17 +255,45 @@ async fn dial(state: &LinkState) -> Result<(Session, quinn::RecvStream), LinkErr
             }
         };
         match answer.kind.as_str() {
-            kinds::WELCOME => Ok((
-                Session {
-                    peer: peer.clone(),
-                    generation: 0,
-                    connection,
-                    send: tokio::sync::Mutex::new(send),
-                    pending: Default::default(),
-                    next_request: AtomicU64::new(1),
-                },
-                recv,
-            )),
+            kinds::WELCOME => {
+                // A welcome without a body comes from a build that speaks version 1 alone.
+                let welcome = if answer.body.is_empty() {
+                    Welcome {
+                        wire: 1,
+                        build: String::new(),
+                    }
+                } else {
+                    wire::decode_body::<Welcome>(&answer.body).map_err(|error| LinkError::Wire {
+                        peer: peer.clone(),
+                        error,
+                    })?
+                };
+                if !Versions::spoken().contains(welcome.wire) {
+                    // The listener chose a version this node does not speak: a broken peer.
+                    let reason = format!(
+                        "it chose wire version {}, and this node speaks {}",
+                        welcome.wire,
+                        Versions::spoken()
+                    );
+                    connection.close(close_code::PROTOCOL.into(), reason.as_bytes());
+                    return Err(connect_err(reason));
+                }
+                Ok((
+                    Session {
+                        peer: peer.clone(),
+                        generation: 0,
+                        connection,
+                        send: tokio::sync::Mutex::new(send),
+                        pending: Default::default(),
+                        next_request: AtomicU64::new(1),
+                        link: PeerLink {
+                            wire: welcome.wire,
+                            build: welcome.build,
+                        },
+                    },
+                    recv,
+                ))
+            }
             kinds::REFUSED => Err(LinkError::Refused {
                 peer: peer.clone(),
                 reason: wire::decode_body::<String>(&answer.body)

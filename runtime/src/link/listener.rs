@@ -8,11 +8,13 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-use super::{Hello, ReadFailure, close_code, count_frame_error, kinds, read_frame, write_envelope};
+use super::{
+    Hello, ReadFailure, Welcome, close_code, count_frame_error, kinds, read_frame, write_envelope,
+};
 use crate::context::NodeContext;
 use crate::metrics as m;
 use crate::services::{Inbound, Reply};
-use crate::wire::{self, Envelope, Flow, RemoteFailure, WIRE_VERSION, WireError};
+use crate::wire::{self, Envelope, Flow, HANDSHAKE_VERSION, RemoteFailure, Versions, WireError};
 
 /// Owns the accept loop of the node's endpoint.
 pub struct ListenerActor;
@@ -49,7 +51,9 @@ impl Actor for ListenerActor {
 
 /// Why an inbound connection was refused; also the metric label.
 fn refuse_label(reason: &str) -> &'static str {
-    if reason.contains("token") {
+    if reason.starts_with("incompatible builds") {
+        "version"
+    } else if reason.contains("token") {
         "token"
     } else if reason.contains("cluster") {
         "cluster"
@@ -95,26 +99,50 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
         } else if h.node == ctx.me.name || ctx.config.node(&h.node).is_none() {
             Err(format!("node `{}` is not a peer in cluster.toml", h.node))
         } else {
-            Ok(h.node)
+            // Two builds link when they share a wire version (a rolling upgrade); otherwise
+            // the dialer is told both ranges instead of failing on its first message.
+            let mine = Versions::spoken();
+            match mine.negotiate(h.wire) {
+                Some(version) => Ok((h.node, version, h.build)),
+                None => Err(format!(
+                    "incompatible builds: `{}` ({}) speaks wire version {}, `{}` ({}) speaks {}",
+                    h.node,
+                    if h.build.is_empty() {
+                        "an older build"
+                    } else {
+                        &h.build
+                    },
+                    h.wire,
+                    ctx.me.name,
+                    super::build(),
+                    mine
+                )),
+            }
         }
     });
-    let peer = match verdict {
-        Ok(peer) => peer,
+    let (peer, version, build) = match verdict {
+        Ok(accepted) => accepted,
         Err(reason) => {
             metrics::counter!(m::LINK_HANDSHAKE_FAILURES, "reason" => refuse_label(&reason))
                 .increment(1);
             tracing::warn!(%remote, %reason, "refused a link");
-            let env = reply_to("link", kinds::REFUSED, 0, wire::encode_body(&reason), &ctx);
+            let mut env = reply_to("link", kinds::REFUSED, 0, wire::encode_body(&reason), &ctx);
+            env.version = HANDSHAKE_VERSION;
             let _ = write_envelope(&mut send, &env).await;
             connection.close(close_code::REFUSED.into(), reason.as_bytes());
             return;
         }
     };
-    let welcome = reply_to("link", kinds::WELCOME, 0, Vec::new(), &ctx);
+    let body = wire::encode_body(&Welcome {
+        wire: version,
+        build: super::build(),
+    });
+    let mut welcome = reply_to("link", kinds::WELCOME, 0, body, &ctx);
+    welcome.version = HANDSHAKE_VERSION;
     if write_envelope(&mut send, &welcome).await.is_err() {
         return;
     }
-    tracing::info!(%peer, %remote, "accepted a link");
+    tracing::info!(%peer, %remote, wire = version, %build, "accepted a link");
     let send = Arc::new(Mutex::new(send));
     loop {
         let env = match read_frame(&mut recv, max).await {
@@ -168,6 +196,7 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
                     };
                     let mut env = reply_to(&target, &kind, request_id, body, &ctx);
                     env.flow = flow;
+                    env.version = version;
                     let _ = write_envelope(&mut *send.lock().await, &env).await;
                 });
             }
@@ -189,7 +218,7 @@ fn failure(message: String) -> Vec<u8> {
 
 fn reply_to(from: &str, kind: &str, request_id: u64, body: Vec<u8>, ctx: &NodeContext) -> Envelope {
     Envelope {
-        version: WIRE_VERSION,
+        version: HANDSHAKE_VERSION,
         kind: kind.to_string(),
         flow: Flow::Response,
         sender: format!("{}/{from}", ctx.me.name),

@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 pub use actor::{LinkActor, LinkArgs};
 
 use crate::metrics as m;
-use crate::wire::{self, Envelope, FRAME_HEADER_LEN, Flow, RemoteFailure, WIRE_VERSION, WireError};
+use crate::wire::{self, Envelope, FRAME_HEADER_LEN, Flow, RemoteFailure, Versions, WireError};
 
 /// QUIC application close codes.
 pub mod close_code {
@@ -69,6 +69,36 @@ pub struct Hello {
     pub node: String,
     /// The cluster token.
     pub token: String,
+    /// The wire versions the dialer speaks (absent from builds before versions were
+    /// negotiated: they speak version 1 alone).
+    #[serde(default = "Versions::legacy")]
+    pub wire: Versions,
+    /// The dialer's build, for people (`duet tree`, the membership API).
+    #[serde(default)]
+    pub build: String,
+}
+
+/// The listener's answer to an accepted [`Hello`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Welcome {
+    /// The version both sides use on this link from now on.
+    pub wire: u16,
+    /// The listener's build.
+    pub build: String,
+}
+
+/// This build, as a hello names it.
+pub fn build() -> String {
+    format!("duet {}", env!("CARGO_PKG_VERSION"))
+}
+
+/// What is known of a connected peer: the version its link uses and its build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerLink {
+    /// The wire version in use.
+    pub wire: u16,
+    /// The peer's build.
+    pub build: String,
 }
 
 /// Why a link operation failed.
@@ -177,6 +207,8 @@ pub(crate) struct Session {
     send: tokio::sync::Mutex<SendStream>,
     pending: Pending,
     next_request: AtomicU64,
+    /// The negotiated wire version and the peer's build.
+    link: PeerLink,
 }
 
 impl Session {
@@ -231,6 +263,11 @@ impl LinkHandle {
         self.session().is_some()
     }
 
+    /// The version and build of the live session's peer; `None` when not connected.
+    pub fn peer_link(&self) -> Option<PeerLink> {
+        self.session().map(|s| s.link.clone())
+    }
+
     fn session(&self) -> Option<Arc<Session>> {
         self.slot.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -252,6 +289,7 @@ impl LinkHandle {
 
     fn envelope(
         &self,
+        session: &Session,
         kind: &str,
         from: &str,
         target: &str,
@@ -259,7 +297,7 @@ impl LinkHandle {
         body: Vec<u8>,
     ) -> Envelope {
         Envelope {
-            version: WIRE_VERSION,
+            version: session.link.wire,
             kind: kind.to_string(),
             flow,
             sender: format!("{}/{from}", self.local_node),
@@ -281,7 +319,7 @@ impl LinkHandle {
         body: Vec<u8>,
     ) -> Result<(), LinkError> {
         let session = self.session().ok_or_else(|| self.not_connected())?;
-        let env = self.envelope(kind, from, target, Flow::OneWay, body);
+        let env = self.envelope(&session, kind, from, target, Flow::OneWay, body);
         self.check_size(&env)?;
         match fault::draw(kind) {
             fault::Fault::Pass => session.write(&env).await?,
@@ -311,7 +349,14 @@ impl LinkHandle {
     ) -> Result<Vec<u8>, LinkError> {
         let session = self.session().ok_or_else(|| self.not_connected())?;
         let deadline_ms = u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX);
-        let mut env = self.envelope(kind, from, target, Flow::Request { deadline_ms }, body);
+        let mut env = self.envelope(
+            &session,
+            kind,
+            from,
+            target,
+            Flow::Request { deadline_ms },
+            body,
+        );
         env.request_id = session.next_request.fetch_add(1, Ordering::Relaxed);
         self.check_size(&env)?;
         let id = env.request_id;
