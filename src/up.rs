@@ -248,15 +248,12 @@ pub async fn run(config_path: &Path) -> ExitCode {
         .iter()
         .map(|n| format!("{}=http://{}", n.name, n.admin))
         .collect();
-    // The OpenAI-compatible base URL, when the cluster has a router.
-    let url = duet_actors::settings::ServingConfig::from_cluster(&config)
-        .ok()
-        .filter(|_| {
-            config
-                .nodes
-                .iter()
-                .any(|n| n.role == duet_runtime::config::Role::Router)
-        })
+    // The OpenAI-compatible base URL of the first router, when the cluster has one.
+    let url = config
+        .nodes
+        .iter()
+        .find(|n| n.role == duet_runtime::config::Role::Router)
+        .and_then(|r| duet_actors::settings::ServingConfig::for_node(&config, &r.name).ok())
         .map(|s| format!("http://{} ", s.http))
         .unwrap_or_default();
     println!(

@@ -11,44 +11,6 @@ use common::*;
 
 const MODEL: &str = "SmolLM2-135M-Instruct";
 
-/// A virtual environment with the `openai` package, made once per target directory (and once
-/// per test process: the tests of this file would otherwise race to create it).
-async fn openai_python() -> PathBuf {
-    static PYTHON: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
-    PYTHON.get_or_init(make_openai_python).await.clone()
-}
-
-async fn make_openai_python() -> PathBuf {
-    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    let ok = tokio::process::Command::new(&python)
-        .args(["-c", "import openai"])
-        .status()
-        .await
-        .is_ok_and(|s| s.success());
-    if !ok {
-        let made = tokio::process::Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .await
-            .expect("python3 -m venv");
-        assert!(made.success(), "cannot create the virtual environment");
-        let pip = tokio::process::Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "openai",
-            ])
-            .status()
-            .await
-            .expect("pip install openai");
-        assert!(pip.success(), "pip install openai failed");
-    }
-    python
-}
-
 async fn run_python(python: &std::path::Path, script: &str, base: &str) -> String {
     let out = tokio::process::Command::new(python)
         .arg(

@@ -120,6 +120,7 @@ struct RawServing {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawNodeServing {
+    http: Option<Spanned<String>>,
     kv_pages: Option<Spanned<u64>>,
     kv_dtype: Option<Spanned<String>>,
     page_size: Option<Spanned<u64>>,
@@ -175,15 +176,18 @@ impl ServingConfig {
             Some(p) => dir.join(p),
             None => dir.join("models").join(duet_fetch::MODEL_FILE),
         };
-        let http = match &s.http {
-            None => SocketAddr::from(([127, 0, 0, 1], 8000)),
-            Some(h) => h.get_ref().parse().map_err(|_| {
+        let parse_http = |h: &Spanned<String>, key: &str| -> Result<SocketAddr, ConfigError> {
+            h.get_ref().parse().map_err(|_| {
                 err(
                     h.span().start,
-                    Some("serving.http"),
+                    Some(key),
                     format!("`{}` is not a socket address: expected IP:PORT, such as \"127.0.0.1:8000\"", h.get_ref()),
                 )
-            })?,
+            })
+        };
+        let mut http = match &s.http {
+            None => SocketAddr::from(([127, 0, 0, 1], 8000)),
+            Some(h) => parse_http(h, "serving.http")?,
         };
         let dtype = |d: &Spanned<String>, key: &str| {
             KvDtype::parse(d.get_ref()).ok_or_else(|| {
@@ -228,6 +232,7 @@ impl ServingConfig {
                     .kv_pages
                     .as_ref()
                     .map(|v| v.span().start)
+                    .or(o.http.as_ref().map(|v| v.span().start))
                     .or(o.page_size.as_ref().map(|v| v.span().start))
                     .or(o.threads.as_ref().map(|v| v.span().start))
                     .or(o.kv_dtype.as_ref().map(|v| v.span().start))
@@ -242,6 +247,10 @@ impl ServingConfig {
                 continue;
             }
             let key = |k: &str| format!("serving.node.{name}.{k}");
+            if let Some(h) = &o.http {
+                // Routers on one host need a port each (on their own hosts they may share).
+                http = parse_http(h, &key("http"))?;
+            }
             if o.kv_pages.is_some() {
                 kv_pages = int(&o.kv_pages, &key("kv_pages"), 4, 1 << 20, 512)? as usize;
             }
@@ -387,6 +396,14 @@ mod tests {
         assert!(e.message.contains("\"shm\""), "{e}");
         let e = read("[serving]\n\ndrain_backstop_secs = 0\n", "p0").expect_err("range");
         assert_eq!((e.line, e.key.as_str()), (3, "serving.drain_backstop_secs"));
+        let r = read(
+            "[serving]\nhttp = \"127.0.0.1:8000\"\n[serving.node.router]\nhttp = \"127.0.0.1:8001\"\n",
+            "router",
+        )
+        .expect("a router's own HTTP address");
+        assert_eq!(r.http.port(), 8001);
+        let e = read("[serving.node.router]\nhttp = \"nowhere\"\n", "router").expect_err("bad");
+        assert_eq!(e.key, "serving.node.router.http");
         let e = read("[serving.node.q9]\nthreads = 2\n", "p0").expect_err("unknown node");
         assert_eq!(e.key, "serving.node.q9");
         assert!(e.message.contains("no node `q9`"), "{e}");

@@ -483,3 +483,41 @@ pub async fn generate_reference(prompt: &str, max_tokens: usize) -> String {
     let v: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
     v["text"].as_str().expect("text").to_string()
 }
+
+/// A virtual environment with the `openai` package, made once per target directory (and once
+/// per test process: the tests of this file would otherwise race to create it).
+pub async fn openai_python() -> PathBuf {
+    static PYTHON: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    PYTHON.get_or_init(make_openai_python).await.clone()
+}
+
+async fn make_openai_python() -> PathBuf {
+    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    let ok = tokio::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .status()
+        .await
+        .is_ok_and(|s| s.success());
+    if !ok {
+        let made = tokio::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .await
+            .expect("python3 -m venv");
+        assert!(made.success(), "cannot create the virtual environment");
+        let pip = tokio::process::Command::new(venv.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "openai",
+            ])
+            .status()
+            .await
+            .expect("pip install openai");
+        assert!(pip.success(), "pip install openai failed");
+    }
+    python
+}

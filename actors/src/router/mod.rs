@@ -557,7 +557,7 @@ impl Actor for RouterActor {
             tracing::info!("router restarted; requests in flight continue");
             return Ok(RouterState { shared });
         }
-        let settings = ServingConfig::from_cluster(&ctx.config)?;
+        let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         let path = settings.model.clone();
         let (tokenizer, chat, max_context) = tokio::task::spawn_blocking(move || {
             let path = if path.exists() || !path.ends_with(fetch::MODEL_FILE) {
