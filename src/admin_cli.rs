@@ -32,7 +32,8 @@ pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
         Ok(x) => x,
         Err(code) => return code,
     };
-    let calls = config.nodes.iter().map(|n| {
+    let nodes = with_joined(&config, &token).await;
+    let calls = nodes.iter().map(|n| {
         let token = token.clone();
         async move {
             let answer =
@@ -88,6 +89,38 @@ pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
         print!("{}", tree::render(&nodes));
     }
     ExitCode::SUCCESS
+}
+
+/// The file's nodes, then the nodes that joined from outside it, as the first node of the
+/// file that answers knows them.
+pub(crate) async fn with_joined(
+    config: &ClusterConfig,
+    token: &str,
+) -> Vec<duet_runtime::config::NodeConfig> {
+    let mut nodes = config.nodes.clone();
+    for n in &config.nodes {
+        let Ok(v) = client::call(
+            n.admin,
+            token,
+            Method::GET,
+            "/v1/membership",
+            None,
+            CALL_TIMEOUT,
+        )
+        .await
+        else {
+            continue;
+        };
+        let joined: Vec<duet_runtime::config::NodeConfig> =
+            serde_json::from_value(v["joined"].clone()).unwrap_or_default();
+        nodes.extend(
+            joined
+                .into_iter()
+                .filter(|j| config.node(&j.name).is_none()),
+        );
+        break;
+    }
+    nodes
 }
 
 /// Kills (`kill = true`) or stops the actor at `path`.

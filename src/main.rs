@@ -48,9 +48,23 @@ enum Command {
         /// The cluster file.
         #[arg(long, default_value = "cluster.toml")]
         config: PathBuf,
-        /// Which node of the file this process is.
+        /// Which node of the file this process is, or the name of a node that joins.
         #[arg(long)]
         name: String,
+        /// Join the cluster as a node the file does not list, in this role (router, prefill
+        /// or decode); it dials the file's nodes with the cluster credentials, and every
+        /// member admits it. Needs --address.
+        #[arg(long, requires = "address")]
+        role: Option<String>,
+        /// The joining node's link address (UDP `IP:PORT`).
+        #[arg(long, requires = "role")]
+        address: Option<std::net::SocketAddr>,
+        /// The joining node's admin address (TCP; default: loopback on the link's port).
+        #[arg(long, requires = "role")]
+        admin: Option<std::net::SocketAddr>,
+        /// The host the joining node runs on (admin addresses must differ only per host).
+        #[arg(long, requires = "role")]
+        host: Option<String>,
     },
     /// Print the supervision tree of every node.
     Tree {
@@ -172,7 +186,22 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Up { config } => up::run(&config).await,
-        Command::Node { config, name } => run_node(&config, &name).await,
+        Command::Node {
+            config,
+            name,
+            role,
+            address,
+            admin,
+            host,
+        } => {
+            let join = role.zip(address).map(|(role, address)| Join {
+                role,
+                address,
+                admin,
+                host,
+            });
+            run_node(&config, &name, join).await
+        }
         Command::Tree { config, json } => admin_cli::tree(&config, json).await,
         Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
         Command::Stop { config, path } => admin_cli::act(&config, &path, false).await,
@@ -214,12 +243,43 @@ const EXIT_START_FAILED: u8 = 2;
 /// Exit code for a node whose root supervisor gave up.
 const EXIT_ESCALATED: u8 = 3;
 
-async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
+/// How a node outside the file joins (`duet node --role --address`).
+struct Join {
+    role: String,
+    address: std::net::SocketAddr,
+    admin: Option<std::net::SocketAddr>,
+    host: Option<String>,
+}
+
+async fn run_node(config: &std::path::Path, name: &str, join: Option<Join>) -> ExitCode {
     let config = match ClusterConfig::load(config) {
         Ok(c) => Arc::new(c),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(EXIT_START_FAILED);
+        }
+    };
+    let me = match join {
+        None => None,
+        Some(j) => {
+            let role = match j.role.as_str() {
+                "router" => duet_runtime::config::Role::Router,
+                "prefill" => duet_runtime::config::Role::Prefill,
+                "decode" => duet_runtime::config::Role::Decode,
+                other => {
+                    eprintln!(
+                        "error: --role `{other}`: expected one of `router`, `prefill`, `decode`"
+                    );
+                    return ExitCode::from(EXIT_START_FAILED);
+                }
+            };
+            match config.joiner(name, role, j.address, j.admin, j.host) {
+                Ok(me) => Some(me),
+                Err(e) => {
+                    eprintln!("error: node {name}: {e}");
+                    return ExitCode::from(EXIT_START_FAILED);
+                }
+            }
         }
     };
     // Flushes buffered spans when the node ends.
@@ -230,7 +290,11 @@ async fn run_node(config: &std::path::Path, name: &str) -> ExitCode {
             return ExitCode::from(EXIT_START_FAILED);
         }
     };
-    let node = match Node::start_with(config, name, &duet_actors::role_children).await {
+    let started = match me {
+        Some(me) => Node::start_as(config, me, &duet_actors::role_children).await,
+        None => Node::start_with(config, name, &duet_actors::role_children).await,
+    };
+    let node = match started {
         Ok(n) => n,
         Err(e) => {
             eprintln!("error: node {name}: {e}");

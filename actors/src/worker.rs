@@ -64,16 +64,17 @@ pub(crate) async fn report_load(
     interval: Duration,
     load: Arc<Mutex<LoadReport>>,
 ) {
-    let routers: Vec<String> = ctx
-        .config
-        .nodes
-        .iter()
-        .filter(|n| n.role == Role::Router && n.name != ctx.me.name)
-        .map(|n| n.name.clone())
-        .collect();
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
+        // Every router, those that joined since the start included.
+        let routers: Vec<String> = ctx
+            .roster
+            .nodes()
+            .into_iter()
+            .filter(|n| n.role == Role::Router && n.name != ctx.me.name)
+            .map(|n| n.name)
+            .collect();
         let mut report = load.lock().unwrap_or_else(|p| p.into_inner()).clone();
         report.draining = ctx.drain.is_draining();
         metrics::gauge!(m::KV_PAGES_TOTAL).set(report.total_pages as f64);

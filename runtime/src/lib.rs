@@ -20,7 +20,7 @@
 //! - [`node`]: one node process from start to drain.
 //! - [`supervisor`] and [`tree`]: restart policies, escalation, the tree as data.
 //! - [`link`], [`wire`] and [`services`]: envelopes between nodes and their local delivery.
-//! - [`membership`]: heartbeats and up/down events.
+//! - [`membership`]: heartbeats and up/down events; [`roster`]: the nodes that joined.
 //! - [`admin`]: the admin API and its client.
 //! - [`metrics`] and [`telemetry`]: metric names, the Prometheus recorder, log setup.
 //!
@@ -36,6 +36,7 @@ pub mod link;
 pub mod membership;
 pub mod metrics;
 pub mod node;
+pub mod roster;
 pub mod services;
 pub mod supervisor;
 pub mod telemetry;

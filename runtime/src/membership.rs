@@ -96,6 +96,17 @@ impl MembershipView {
         }
     }
 
+    /// A peer that joined: unknown until it answers.
+    pub fn add(&self, peer: &str) {
+        let mut peers = self.peers.write().unwrap_or_else(|p| p.into_inner());
+        peers.entry(peer.to_string()).or_insert(PeerStatus {
+            state: PeerState::Unknown,
+            rtt_us: None,
+            incarnation: None,
+            downs: 0,
+        });
+    }
+
     /// A copy of every peer's status.
     pub fn snapshot(&self) -> BTreeMap<String, PeerStatus> {
         self.peers.read().unwrap_or_else(|p| p.into_inner()).clone()
@@ -119,7 +130,14 @@ impl MembershipView {
 #[derive(Serialize, Deserialize)]
 struct Pong {
     incarnation: u64,
+    /// The nodes outside cluster.toml the answering node knows (itself, if it joined): the
+    /// gossip that spreads a join to every member (see [`crate::roster`]).
+    #[serde(default)]
+    joined: Vec<crate::config::NodeConfig>,
 }
+
+/// A heartbeat's answer: the peer's incarnation, the round trip, the joined nodes it knows.
+type Answered = Result<(u64, Duration, Vec<crate::config::NodeConfig>), String>;
 
 /// The membership actor.
 pub struct MembershipActor;
@@ -134,7 +152,7 @@ pub enum MembershipMsg {
         /// The peer pinged.
         peer: String,
         /// Its incarnation and the round trip, or why it failed.
-        result: Result<(u64, Duration), String>,
+        result: Answered,
     },
     /// A ping from a peer, to answer.
     Inbound(Inbound),
@@ -193,6 +211,7 @@ impl Actor for MembershipActor {
                 if let Some(reply) = reply {
                     reply.ok(wire::encode_body(&Pong {
                         incarnation: state.ctx.incarnation,
+                        joined: state.ctx.roster.joined(),
                     }));
                 }
             }
@@ -210,7 +229,7 @@ fn tick(myself: &ActorRef<MembershipMsg>, state: &mut MembershipState) {
     let interval = state.ctx.config.membership.heartbeat_interval;
     let down_after = state.ctx.config.membership.down_after();
     let now = Instant::now();
-    for link in state.ctx.links.iter() {
+    for link in state.ctx.links.all() {
         let peer = link.peer().to_string();
         let silent_since = state.last_ok.get(&peer).copied().unwrap_or(state.started);
         if now.duration_since(silent_since) >= down_after {
@@ -219,7 +238,6 @@ fn tick(myself: &ActorRef<MembershipMsg>, state: &mut MembershipState) {
         if !state.in_flight.insert(peer.clone()) {
             continue;
         }
-        let link = link.clone();
         let me = myself.clone();
         tokio::spawn(async move {
             let sent = Instant::now();
@@ -229,7 +247,7 @@ fn tick(myself: &ActorRef<MembershipMsg>, state: &mut MembershipState) {
                 .map_err(|e| e.to_string())
                 .and_then(|body| {
                     wire::decode_body::<Pong>(&body)
-                        .map(|p| (p.incarnation, sent.elapsed()))
+                        .map(|p| (p.incarnation, sent.elapsed(), p.joined))
                         .map_err(|e| e.to_string())
                 });
             let _ = me.cast(MembershipMsg::Answer { peer, result });
@@ -237,10 +255,14 @@ fn tick(myself: &ActorRef<MembershipMsg>, state: &mut MembershipState) {
     }
 }
 
-fn answer(state: &mut MembershipState, peer: &str, result: Result<(u64, Duration), String>) {
+fn answer(state: &mut MembershipState, peer: &str, result: Answered) {
     let ctx = &state.ctx;
     match result {
-        Ok((incarnation, rtt)) => {
+        Ok((incarnation, rtt, joined)) => {
+            // A member vouches for the nodes it admitted: link to the ones this node lacks.
+            for n in &joined {
+                ctx.admit(n);
+            }
             state.last_ok.insert(peer.to_string(), Instant::now());
             let mut event = None;
             ctx.membership.update(peer, |s| {

@@ -25,6 +25,8 @@ pub const LINK_UNDELIVERED: &str = "duet_link_undelivered_total";
 pub const LINK_LATE_ANSWERS: &str = "duet_link_late_answers_total";
 /// 1 while a peer is up, 0 while down, by peer.
 pub const PEER_UP: &str = "duet_peer_up";
+/// Nodes not in cluster.toml this node admitted (from their hello or a peer's gossip).
+pub const NODES_JOINED: &str = "duet_nodes_joined_total";
 /// Up/down transitions seen by membership, by peer and new state.
 pub const PEER_TRANSITIONS: &str = "duet_peer_transitions_total";
 /// Admin API calls refused for a missing or wrong token.

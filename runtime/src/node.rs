@@ -125,8 +125,6 @@ impl Node {
         name: &str,
         role_children: &dyn Fn(&Arc<NodeContext>) -> Vec<ChildSpec>,
     ) -> Result<Node, NodeError> {
-        let signals = ShutdownSignals::new();
-        crate::wire::Versions::from_env().map_err(NodeError::WireVersions)?;
         let me = config
             .node(name)
             .cloned()
@@ -140,6 +138,19 @@ impl Node {
                     .collect::<Vec<_>>()
                     .join(", "),
             })?;
+        Node::start_as(config, me, role_children).await
+    }
+
+    /// Starts node `me`: one of the file's, or one joining the cluster from outside the file
+    /// (see [`ClusterConfig::joiner`] and [`crate::roster`]): it dials the file's nodes, whose
+    /// hellos admit it, and learns the other joined nodes from their heartbeats.
+    pub async fn start_as(
+        config: Arc<ClusterConfig>,
+        me: NodeConfig,
+        role_children: &dyn Fn(&Arc<NodeContext>) -> Vec<ChildSpec>,
+    ) -> Result<Node, NodeError> {
+        let signals = ShutdownSignals::new();
+        crate::wire::Versions::from_env().map_err(NodeError::WireVersions)?;
         let credentials = Arc::new(Credentials::load(&config.credentials)?);
         let membership = &config.membership;
         let (server, client) = tls::endpoint_configs(
@@ -175,6 +186,8 @@ impl Node {
             services: Services::default(),
             incarnation: rand::rng().random(),
             drain: crate::drain::Drain::default(),
+            roster: crate::roster::Roster::new(config.clone(), &me),
+            root: std::sync::OnceLock::new(),
             endpoint,
             credentials,
             me: me.clone(),
@@ -192,6 +205,17 @@ impl Node {
         )
         .await
         .map_err(|e| NodeError::Start(e.to_string()))?;
+        // From now on a node that joins gets its link actor at once; the ones admitted while
+        // the tree was starting get theirs here (adding is idempotent).
+        let _ = ctx.root.set(root.clone());
+        for n in ctx.roster.joined() {
+            if n.name != ctx.me.name {
+                let _ = root.cast(SupervisorMsg::Add(
+                    vec!["links".into()],
+                    link_spec(&ctx, &n.name),
+                ));
+            }
+        }
 
         let (shutdown_tx, shutdown) = watch::channel(false);
         let restart = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -292,6 +316,20 @@ impl Node {
     }
 }
 
+/// The supervised link actor to `peer`.
+pub(crate) fn link_spec(ctx: &Arc<NodeContext>, peer: &str) -> ChildSpec {
+    let (ctx, peer) = (ctx.clone(), peer.to_string());
+    ChildSpec::actor(&peer.clone(), "link", move || {
+        (
+            LinkActor,
+            LinkArgs {
+                ctx: ctx.clone(),
+                peer: peer.clone(),
+            },
+        )
+    })
+}
+
 fn children(
     ctx: &Arc<NodeContext>,
     me: &NodeConfig,
@@ -299,21 +337,7 @@ fn children(
     extra: Vec<ChildSpec>,
 ) -> Vec<ChildSpec> {
     let policies = Arc::new(ctx.config.supervision.clone());
-    let links = peers
-        .iter()
-        .map(|peer| {
-            let (ctx, peer) = (ctx.clone(), peer.clone());
-            ChildSpec::actor(&peer.clone(), "link", move || {
-                (
-                    LinkActor,
-                    LinkArgs {
-                        ctx: ctx.clone(),
-                        peer: peer.clone(),
-                    },
-                )
-            })
-        })
-        .collect();
+    let links = peers.iter().map(|peer| link_spec(ctx, peer)).collect();
     let c = ctx.clone();
     let listener = ChildSpec::actor("listener", "listener", move || (ListenerActor, c.clone()));
     let c = ctx.clone();

@@ -133,6 +133,10 @@ pub enum SupervisorMsg {
     Stop(Vec<String>, RpcReplyPort<Result<(), TreeError>>),
     /// Retry starting child `name` (after a failed restart).
     Respawn(String),
+    /// Start one more child under the supervisor at the relative path (empty: this one) and
+    /// supervise it like the others (a link to a node that joined); nothing happens if a
+    /// child of that name exists there.
+    Add(Vec<String>, ChildSpec),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +230,41 @@ impl Actor for Supervisor {
             SupervisorMsg::Stop(path, reply) => {
                 let result = act_on(state, path, Action::Stop).await;
                 let _ = reply.send(result);
+            }
+            SupervisorMsg::Add(path, spec) => {
+                if let Some((first, rest)) = path.split_first() {
+                    let child = state.index_of_name(first).map(|i| &state.children[i]);
+                    match child {
+                        Some(c) if c.spec.is_supervisor => {
+                            if let Some(cell) = c.cell.clone() {
+                                let sup: ActorRef<SupervisorMsg> = cell.into();
+                                let _ = sup.cast(SupervisorMsg::Add(rest.to_vec(), spec));
+                            }
+                        }
+                        _ => tracing::error!(
+                            supervisor = %state.child_path(first),
+                            "cannot add a child: no such supervisor"
+                        ),
+                    }
+                    return Ok(());
+                }
+                if state.index_of_name(&spec.name).is_some() {
+                    return Ok(());
+                }
+                let path = state.child_path(&spec.name);
+                match (spec.start)(myself.get_cell()).await {
+                    Ok(cell) => state.children.push(Child {
+                        spec,
+                        cell: Some(cell),
+                        status: Status::Running,
+                        restarts: 0,
+                        recent: VecDeque::new(),
+                        stop_requested: false,
+                        last_exit: None,
+                    }),
+                    // Not this supervisor's failure: the child was never running.
+                    Err(e) => tracing::error!(%path, error = %e, "cannot start an added child"),
+                }
             }
             SupervisorMsg::Respawn(name) => {
                 if let Some(i) = state.index_of_name(&name) {

@@ -76,6 +76,7 @@ async fn raw_client(p: &Pair) -> (quinn::Connection, quinn::SendStream, quinn::R
         token: creds.token.expose().to_string(),
         wire: wire::Versions::BUILD,
         build: "a raw test client".into(),
+        member: None,
     };
     let (conn, send, recv, welcome) = raw_hello(p, &wire::encode_body(&hello)).await;
     assert_eq!(welcome.expect("welcome").kind, kinds::WELCOME);
@@ -140,6 +141,7 @@ async fn hellos_negotiate_the_wire_version() {
         token: creds.token.expose().to_string(),
         wire: wire::Versions { min, max },
         build: "duet 9.9.9".into(),
+        member: None,
     };
     let b = wire::Versions::BUILD;
     // A later build that still speaks this one's newest version: that one is used.

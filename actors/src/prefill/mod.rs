@@ -274,16 +274,17 @@ async fn heartbeats(
     incarnation: u64,
     holding: Arc<Mutex<Holding>>,
 ) {
-    let decoders: Vec<String> = ctx
-        .config
-        .nodes
-        .iter()
-        .filter(|n| n.role == Role::Decode)
-        .map(|n| n.name.clone())
-        .collect();
     let mut tick = tokio::time::interval(interval);
     loop {
         tick.tick().await;
+        // Every decode node, those that joined since the start included.
+        let decoders: Vec<String> = ctx
+            .roster
+            .nodes()
+            .into_iter()
+            .filter(|n| n.role == Role::Decode)
+            .map(|n| n.name)
+            .collect();
         let bodies: Vec<(&String, Vec<u8>)> = {
             let h = holding.lock().unwrap_or_else(|p| p.into_inner());
             decoders

@@ -141,12 +141,15 @@ async fn get_membership(State(state): State<AdminState>) -> Response {
         "incarnation": state.ctx.incarnation,
         "down_after_ms": state.ctx.config.membership.down_after().as_millis() as u64,
         "peers": state.ctx.membership.snapshot(),
+        // Nodes outside cluster.toml that joined (this one too, if it did).
+        "joined": state.ctx.roster.joined(),
         "wire": crate::wire::Versions::spoken(),
         "build": crate::link::build(),
         // Per connected peer: the wire version its link negotiated and its build.
         "links": state
             .ctx
             .links
+            .all()
             .iter()
             .filter_map(|l| l.peer_link().map(|p| (l.peer().to_string(), p)))
             .collect::<std::collections::BTreeMap<_, _>>(),

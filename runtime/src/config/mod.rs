@@ -206,8 +206,8 @@ impl fmt::Display for Role {
     }
 }
 
-/// One node entry (`[[node]]`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One node entry (`[[node]]`, or a node that joined: see [`ClusterConfig::joiner`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeConfig {
     /// Unique node name; the first segment of every actor path on it.
     pub name: String,
@@ -274,6 +274,58 @@ impl ClusterConfig {
     /// Every node except `name`.
     pub fn peers_of<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a NodeConfig> + 'a {
         self.nodes.iter().filter(move |n| n.name != name)
+    }
+
+    /// The entry of a node that is not in the file and joins the cluster (`duet node --name
+    /// NAME --role ROLE --address IP:PORT`): checked as a `[[node]]` table would be against
+    /// the file's nodes (a valid name none of them has, an address none of them uses, an admin
+    /// address free on its host). The admin address defaults to loopback on the link's port.
+    pub fn joiner(
+        &self,
+        name: &str,
+        role: Role,
+        address: SocketAddr,
+        admin: Option<SocketAddr>,
+        host: Option<String>,
+    ) -> Result<NodeConfig, String> {
+        if !raw::valid_name(name) {
+            return Err(format!(
+                "`{name}` is not a valid node name: expected letters, digits, '-' or '_'"
+            ));
+        }
+        if let Some(n) = self.node(name) {
+            return Err(format!(
+                "node `{name}` is in {} already (as a {}): start it with --name alone",
+                self.path.display(),
+                n.role
+            ));
+        }
+        if let Some(n) = self.nodes.iter().find(|n| n.address == address) {
+            return Err(format!(
+                "{address} is the address of node `{}`: expected an address of its own",
+                n.name
+            ));
+        }
+        let admin = admin.unwrap_or_else(|| SocketAddr::new([127, 0, 0, 1].into(), address.port()));
+        let host = host.unwrap_or_else(|| raw::host_of(address));
+        if let Some(n) = self
+            .nodes
+            .iter()
+            .find(|n| n.host == host && n.admin == admin)
+        {
+            return Err(format!(
+                "admin address {admin} is already used by node `{}` on the same host ({host}): \
+                 give this node its own (--admin IP:PORT)",
+                n.name
+            ));
+        }
+        Ok(NodeConfig {
+            name: name.to_string(),
+            role,
+            address,
+            admin,
+            host,
+        })
     }
 }
 

@@ -478,7 +478,7 @@ fn parse_addr(
 /// The host a node runs on when its `host` key is not set: every loopback address is this
 /// machine; any other address names its own host (two nodes that share one usually share it
 /// by their IP, which is what clashes).
-fn host_of(address: SocketAddr) -> String {
+pub(super) fn host_of(address: SocketAddr) -> String {
     if address.ip().is_loopback() {
         "localhost".to_string()
     } else {
@@ -486,7 +486,7 @@ fn host_of(address: SocketAddr) -> String {
     }
 }
 
-fn valid_name(name: &str) -> bool {
+pub(super) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name

@@ -96,10 +96,10 @@ impl Actor for LinkActor {
         myself: ActorRef<LinkMsg>,
         args: LinkArgs,
     ) -> Result<LinkState, ActorProcessingErr> {
-        let handle = args.ctx.links.get(&args.peer)?.clone();
+        let handle = args.ctx.links.get(&args.peer)?;
         let address = args
             .ctx
-            .config
+            .roster
             .node(&args.peer)
             .map(|n| n.address)
             .ok_or_else(|| LinkError::UnknownPeer(args.peer.clone()))?;
@@ -200,10 +200,12 @@ async fn dial(state: &LinkState) -> Result<(Session, quinn::RecvStream), LinkErr
         peer: peer.clone(),
         reason,
     };
+    // A joined node may come back at another address (its hello says so): dial the latest.
+    let address = ctx.roster.node(&peer).map_or(state.address, |n| n.address);
     let attempt = async {
         let connection = ctx
             .endpoint
-            .connect(state.address, CLUSTER_SERVER_NAME)
+            .connect(address, CLUSTER_SERVER_NAME)
             .map_err(|e| connect_err(e.to_string()))?
             .await
             .map_err(|e| connect_err(e.to_string()))?;
@@ -217,6 +219,7 @@ async fn dial(state: &LinkState) -> Result<(Session, quinn::RecvStream), LinkErr
             token: ctx.credentials.token.expose().to_string(),
             wire: Versions::spoken(),
             build: super::build(),
+            member: Some(ctx.me.clone()),
         };
         let mut env = Envelope::one_way(
             kinds::HELLO,

@@ -88,6 +88,7 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
         Ok(Err(ReadFailure::Wire(e))) => Err(format!("bad hello frame: {e}")),
         Err(_) => Err(format!("no hello within {timeout:?}")),
     };
+    let member = hello.as_ref().ok().and_then(|h| h.member.clone());
     let verdict = hello.and_then(|h| {
         if h.cluster != ctx.config.name {
             Err(format!(
@@ -96,8 +97,15 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
             ))
         } else if !ctx.credentials.token.matches(&h.token) {
             Err("wrong cluster token".to_string())
-        } else if h.node == ctx.me.name || ctx.config.node(&h.node).is_none() {
-            Err(format!("node `{}` is not a peer in cluster.toml", h.node))
+        } else if h.node == ctx.me.name {
+            Err(format!("node `{}` is this node", h.node))
+        } else if ctx.roster.node(&h.node).is_none()
+            && h.member.as_ref().is_none_or(|m| m.name != h.node)
+        {
+            Err(format!(
+                "node `{}` is not in cluster.toml and did not say how to reach it",
+                h.node
+            ))
         } else {
             // Two builds link when they share a wire version (a rolling upgrade); otherwise
             // the dialer is told both ranges instead of failing on its first message.
@@ -121,7 +129,13 @@ async fn serve(ctx: Arc<NodeContext>, incoming: Incoming) {
         }
     });
     let (peer, version, build) = match verdict {
-        Ok(accepted) => accepted,
+        Ok(accepted) => {
+            // Credentials checked: a node outside the file joins (or says where it is now).
+            if let Some(m) = member.filter(|m| m.name == accepted.0) {
+                ctx.admit(&m);
+            }
+            accepted
+        }
         Err(reason) => {
             metrics::counter!(m::LINK_HANDSHAKE_FAILURES, "reason" => refuse_label(&reason))
                 .increment(1);

@@ -76,6 +76,11 @@ pub struct Hello {
     /// The dialer's build, for people (`duet tree`, the membership API).
     #[serde(default)]
     pub build: String,
+    /// The dialer's entry (role, addresses): how a node outside cluster.toml joins. The
+    /// listener records it only once the credentials are checked, and only for a node the
+    /// file does not list (the file wins).
+    #[serde(default)]
+    pub member: Option<crate::config::NodeConfig>,
 }
 
 /// The listener's answer to an accepted [`Hello`].
@@ -429,10 +434,12 @@ impl LinkHandle {
     }
 }
 
-/// One [`LinkHandle`] per peer of this node.
+/// One [`LinkHandle`] per peer of this node: the file's nodes, and nodes that joined.
 #[derive(Clone)]
 pub struct Links {
-    handles: Arc<BTreeMap<String, LinkHandle>>,
+    local_node: String,
+    max_frame: u32,
+    handles: Arc<RwLock<BTreeMap<String, LinkHandle>>>,
 }
 
 impl Links {
@@ -443,24 +450,39 @@ impl Links {
         max_frame: u32,
     ) -> Links {
         Links {
-            handles: Arc::new(
+            local_node: local_node.to_string(),
+            max_frame,
+            handles: Arc::new(RwLock::new(
                 peers
                     .map(|p| (p.to_string(), LinkHandle::new(p, local_node, max_frame)))
                     .collect(),
-            ),
+            )),
         }
     }
 
+    fn map(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, LinkHandle>> {
+        self.handles.read().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The handle for `peer`.
-    pub fn get(&self, peer: &str) -> Result<&LinkHandle, LinkError> {
-        self.handles
+    pub fn get(&self, peer: &str) -> Result<LinkHandle, LinkError> {
+        self.map()
             .get(peer)
+            .cloned()
             .ok_or_else(|| LinkError::UnknownPeer(peer.to_string()))
     }
 
     /// Every handle, by peer name.
-    pub fn iter(&self) -> impl Iterator<Item = &LinkHandle> {
-        self.handles.values()
+    pub fn all(&self) -> Vec<LinkHandle> {
+        self.map().values().cloned().collect()
+    }
+
+    /// A handle for a peer that joined (nothing if there is one).
+    pub fn add(&self, peer: &str) {
+        let mut handles = self.handles.write().unwrap_or_else(|p| p.into_inner());
+        handles
+            .entry(peer.to_string())
+            .or_insert_with(|| LinkHandle::new(peer, &self.local_node, self.max_frame));
     }
 }
 
