@@ -130,7 +130,14 @@ pub async fn act(config: &Path, path: &str, kill: bool) -> ExitCode {
         Err(code) => return code,
     };
     let node_name = path.split('/').next().unwrap_or_default();
-    let Some(node) = find_node(&config, node_name, " (paths start with a node name)") else {
+    let Some(node) = find_node(
+        &config,
+        &token,
+        node_name,
+        " (paths start with a node name)",
+    )
+    .await
+    else {
         return ExitCode::FAILURE;
     };
     let endpoint = if kill {
@@ -167,16 +174,23 @@ pub async fn act(config: &Path, path: &str, kill: bool) -> ExitCode {
 }
 
 /// The node named `name`, or an error naming the nearest ones.
-fn find_node<'a>(
-    config: &'a ClusterConfig,
+/// Node `name`: of the file, or one that joined (as the cluster's members know it); `None`
+/// after an error naming the nearest names.
+async fn find_node(
+    config: &ClusterConfig,
+    token: &str,
     name: &str,
     hint: &str,
-) -> Option<&'a duet_runtime::config::NodeConfig> {
-    let node = config.node(name);
+) -> Option<duet_runtime::config::NodeConfig> {
+    if let Some(n) = config.node(name) {
+        return Some(n.clone());
+    }
+    let all = with_joined(config, token).await;
+    let node = all.iter().find(|n| n.name == name).cloned();
     if node.is_none() {
-        let names = config.nodes.iter().map(|n| n.name.as_str());
+        let names = all.iter().map(|n| n.name.as_str());
         eprintln!(
-            "error: no node `{name}` in {}{hint}; nearest: {}",
+            "error: no node `{name}` in {} or among the nodes that joined{hint}; nearest: {}",
             config.path.display(),
             tree::nearest(name, names, 3).join(", ")
         );
@@ -203,7 +217,7 @@ pub async fn drain(config: &Path, name: &str, wait: Option<Duration>) -> ExitCod
         Ok(x) => x,
         Err(code) => return code,
     };
-    let Some(node) = find_node(&config, name, "") else {
+    let Some(node) = find_node(&config, &token, name, "").await else {
         return ExitCode::FAILURE;
     };
     let call =
@@ -244,7 +258,7 @@ pub async fn resume(config: &Path, name: &str) -> ExitCode {
         Ok(x) => x,
         Err(code) => return code,
     };
-    let Some(node) = find_node(&config, name, "") else {
+    let Some(node) = find_node(&config, &token, name, "").await else {
         return ExitCode::FAILURE;
     };
     match client::call(

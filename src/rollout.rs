@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use duet_runtime::admin::client::{self, AdminClientError, Method};
-use duet_runtime::config::{ClusterConfig, NodeConfig, Role};
+use duet_runtime::config::{NodeConfig, Role};
 use serde_json::Value;
 
 use crate::admin_cli::load;
@@ -70,7 +70,7 @@ where
 
 /// Rolls one node; what it did, in one line.
 async fn roll(
-    config: &ClusterConfig,
+    all: &[NodeConfig],
     token: &str,
     node: &NodeConfig,
     wait: Duration,
@@ -115,8 +115,7 @@ async fn roll(
     .await
     .map_err(|e| format!("{e} (is it run by `duet up` or another supervisor?)"))?;
     // 3. Ready: it sees every peer, and every router sees this incarnation.
-    let routers: Vec<&NodeConfig> = config
-        .nodes
+    let routers: Vec<&NodeConfig> = all
         .iter()
         .filter(|n| n.role == Role::Router && n.name != *name)
         .collect();
@@ -163,13 +162,11 @@ pub async fn run(config_path: &Path, role: &str, wait: Duration) -> ExitCode {
         Ok(x) => x,
         Err(code) => return code,
     };
-    let nodes: Vec<&NodeConfig> = config
-        .nodes
-        .iter()
-        .filter(|n| n.role.as_str() == role)
-        .collect();
+    // The file's nodes and those that joined.
+    let all = crate::admin_cli::with_joined(&config, &token).await;
+    let nodes: Vec<&NodeConfig> = all.iter().filter(|n| n.role.as_str() == role).collect();
     if nodes.is_empty() {
-        let roles: Vec<&str> = config.nodes.iter().map(|n| n.role.as_str()).collect();
+        let roles: Vec<&str> = all.iter().map(|n| n.role.as_str()).collect();
         eprintln!(
             "error: no node of role `{role}` in {} (its roles: {})",
             config.path.display(),
@@ -179,7 +176,7 @@ pub async fn run(config_path: &Path, role: &str, wait: Duration) -> ExitCode {
     }
     let total = Instant::now();
     for (i, node) in nodes.iter().enumerate() {
-        match roll(&config, &token, node, wait).await {
+        match roll(&all, &token, node, wait).await {
             Ok(line) => println!("[{}/{}] {line}", i + 1, nodes.len()),
             Err(e) => {
                 eprintln!(

@@ -3,8 +3,8 @@
 //! cluster credentials and is admitted by each; a second joiner (p7, prefill) learns of d7 from
 //! the members' heartbeats (no central registry) and links to it; both appear in every
 //! member's membership and in `duet tree`, and take traffic: with the file's workers drained,
-//! requests run p7 -> d7 and answer what they answered before. A joiner with the wrong token is
-//! refused and never becomes a member.
+//! requests run p7 -> d7 and answer what they answered before; `duet drain` and `duet resume`
+//! find them by name. A joiner with the wrong token is refused and never becomes a member.
 
 mod common;
 
@@ -170,6 +170,13 @@ async fn nodes_outside_the_file_join_spread_and_take_traffic() {
         p7_after >= p7_before + 6.0,
         "p7 prefilled {p7_before} -> {p7_after}"
     );
+
+    // The admin commands find a joined node by name.
+    let out = duet(&["drain", "--config", path_str(&config), "d7", "--wait", "30"]).await;
+    assert!(out.status.success(), "drain d7: {}", out.stderr);
+    assert!(out.stdout.contains("d7: drained"), "{}", out.stdout);
+    let out = duet(&["resume", "--config", path_str(&config), "d7"]).await;
+    assert!(out.status.success(), "resume d7: {}", out.stderr);
 
     // A joiner with the wrong token is refused, and never a member.
     std::fs::write(
