@@ -56,8 +56,9 @@ enum Command {
         /// member admits it. Needs --address.
         #[arg(long, requires = "address")]
         role: Option<String>,
-        /// The joining node's link address (UDP `IP:PORT`).
-        #[arg(long, requires = "role")]
+        /// The joining node's link address (UDP `IP:PORT`); for a node the file names by DNS
+        /// (`NAME:PORT`), the IP it binds and gives peers for KV (a pod's `$(POD_IP):PORT`).
+        #[arg(long)]
         address: Option<std::net::SocketAddr>,
         /// The joining node's admin address (TCP; default: loopback on the link's port).
         #[arg(long, requires = "role")]
@@ -194,13 +195,17 @@ async fn run(cli: Cli) -> ExitCode {
             admin,
             host,
         } => {
-            let join = role.zip(address).map(|(role, address)| Join {
-                role,
-                address,
-                admin,
-                host,
-            });
-            run_node(&config, &name, join).await
+            let start = match (role, address) {
+                (Some(role), Some(address)) => Start::Join(Join {
+                    role,
+                    address,
+                    admin,
+                    host,
+                }),
+                (None, Some(address)) => Start::At(address),
+                _ => Start::AsListed,
+            };
+            run_node(&config, &name, start).await
         }
         Command::Tree { config, json } => admin_cli::tree(&config, json).await,
         Command::Kill { config, path } => admin_cli::act(&config, &path, true).await,
@@ -243,6 +248,16 @@ const EXIT_START_FAILED: u8 = 2;
 /// Exit code for a node whose root supervisor gave up.
 const EXIT_ESCALATED: u8 = 3;
 
+/// How `duet node` starts.
+enum Start {
+    /// As the file lists it.
+    AsListed,
+    /// A node the file names by DNS, bound to this address (`--address` alone).
+    At(std::net::SocketAddr),
+    /// A node outside the file (`--role --address`).
+    Join(Join),
+}
+
 /// How a node outside the file joins (`duet node --role --address`).
 struct Join {
     role: String,
@@ -251,7 +266,7 @@ struct Join {
     host: Option<String>,
 }
 
-async fn run_node(config: &std::path::Path, name: &str, join: Option<Join>) -> ExitCode {
+async fn run_node(config: &std::path::Path, name: &str, start: Start) -> ExitCode {
     let config = match ClusterConfig::load(config) {
         Ok(c) => Arc::new(c),
         Err(e) => {
@@ -259,9 +274,54 @@ async fn run_node(config: &std::path::Path, name: &str, join: Option<Join>) -> E
             return ExitCode::from(EXIT_START_FAILED);
         }
     };
-    let me = match join {
-        None => None,
-        Some(j) => {
+    let me = match start {
+        Start::AsListed => match config.node(name) {
+            // A node named by DNS binds the IP its name resolves to, when it resolves here.
+            Some(n) if n.dial.is_some() && n.address.ip().is_unspecified() => {
+                let dial = n.dial.clone().unwrap_or_default();
+                match tokio::net::lookup_host(dial.as_str())
+                    .await
+                    .ok()
+                    .and_then(|mut a| a.next())
+                {
+                    Some(ip) => Some(duet_runtime::config::NodeConfig {
+                        address: std::net::SocketAddr::new(ip.ip(), n.address.port()),
+                        ..n.clone()
+                    }),
+                    None => {
+                        eprintln!(
+                            "error: node {name}: `{dial}` does not resolve on this host: start it \
+                             with --address IP:PORT (in Kubernetes, the pod's IP)"
+                        );
+                        return ExitCode::from(EXIT_START_FAILED);
+                    }
+                }
+            }
+            _ => None,
+        },
+        Start::At(address) => match config.node(name) {
+            Some(n) if n.dial.is_some() => Some(duet_runtime::config::NodeConfig {
+                address,
+                ..n.clone()
+            }),
+            Some(n) => {
+                eprintln!(
+                    "error: node {name}: {} gives it the address {}; --address alone is for a \
+                     node named by DNS (`NAME:PORT`), or joins with --role",
+                    config.path.display(),
+                    n.address
+                );
+                return ExitCode::from(EXIT_START_FAILED);
+            }
+            None => {
+                eprintln!(
+                    "error: node {name} is not in {}: to join, give --role too",
+                    config.path.display()
+                );
+                return ExitCode::from(EXIT_START_FAILED);
+            }
+        },
+        Start::Join(j) => {
             let role = match j.role.as_str() {
                 "router" => duet_runtime::config::Role::Router,
                 "prefill" => duet_runtime::config::Role::Prefill,

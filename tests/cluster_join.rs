@@ -220,3 +220,37 @@ async fn ready_json(http: u16) -> Option<Value> {
         .ok()?;
     serde_json::from_slice(&out.stdout).ok()
 }
+
+/// A file that names its nodes by DNS (as a Kubernetes chart does, one stable name per pod):
+/// each node binds what its name resolves to, peers resolve the names at every dial, and the
+/// cluster serves.
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_named_by_dns_serve() {
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        "",
+    );
+    let mut text = format!(
+        "[cluster]\nname = \"test\"\n[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\n\
+         http = \"127.0.0.1:{}\"\nkv_pages = 32\ndisagg_threshold = 0\n",
+        c.http
+    );
+    for (name, role, port) in &c.nodes {
+        text.push_str(&format!(
+            "[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"localhost:{port}\"\n"
+        ));
+    }
+    let config = c.dir.path().join("dns.toml");
+    std::fs::write(&config, text).expect("write the file");
+    let _up = Running::up(&config).await;
+    router_ready(c.http, 2).await;
+    let answer = one_request(c.http, 0).await;
+    assert!(answer.is_ok(), "{answer:?}");
+    let token = c.token();
+    let links = admin_get(c.admin("router"), &token, "/v1/membership")
+        .await
+        .expect("membership");
+    for peer in ["p0", "d0"] {
+        assert_eq!(links["peers"][peer]["state"], "up", "{links}");
+    }
+}

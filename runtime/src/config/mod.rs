@@ -213,8 +213,16 @@ pub struct NodeConfig {
     pub name: String,
     /// The node's role.
     pub role: Role,
-    /// UDP address of the node's QUIC link endpoint.
+    /// UDP address of the node's QUIC link endpoint: what it binds, and what peers dial unless
+    /// `dial` names it. For an address given as `NAME:PORT` this is `0.0.0.0:PORT` (every
+    /// interface of its host, whose IP the file does not know), unless the node is started
+    /// with `--address IP:PORT`.
     pub address: SocketAddr,
+    /// `NAME:PORT` when the file gives the address by DNS name (a Kubernetes pod's stable
+    /// name): peers resolve it at every dial, so a node that comes back with another IP is
+    /// found.
+    #[serde(default)]
+    pub dial: Option<String>,
     /// TCP address of the node's admin HTTP API.
     pub admin: SocketAddr,
     /// The host the node runs on (`host`, else `localhost` for a loopback address, else the
@@ -323,6 +331,7 @@ impl ClusterConfig {
             name: name.to_string(),
             role,
             address,
+            dial: None,
             admin,
             host,
         })

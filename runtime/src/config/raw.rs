@@ -306,7 +306,7 @@ pub(super) fn validate(
     }
     let mut nodes = Vec::with_capacity(raw.nodes.len());
     let mut names: HashMap<String, usize> = HashMap::new();
-    let mut links: HashMap<SocketAddr, String> = HashMap::new();
+    let mut links: HashMap<String, String> = HashMap::new();
     // Admin addresses clash only on one host: every node may use the same port on its own
     // host (as every pod does in Kubernetes).
     let mut admins: HashMap<(String, SocketAddr), String> = HashMap::new();
@@ -327,7 +327,7 @@ pub(super) fn validate(
                 format!("duplicate node name `{name}` (also node[{first}]): names must be unique"),
             ));
         }
-        let address = parse_addr(&r, &node.address, &format!("node[{i}].address"))?;
+        let (address, dial) = parse_node_addr(&r, &node.address, &format!("node[{i}].address"))?;
         let admin = match &node.admin {
             Some(a) => parse_addr(&r, a, &format!("node[{i}].admin"))?,
             // Admin listens on loopback unless the operator says otherwise, on the same port
@@ -346,9 +346,14 @@ pub(super) fn validate(
                 ));
             }
             Some(h) => h.get_ref().clone(),
-            None => host_of(address),
+            // A node named by DNS is its own host (a pod), known by that name.
+            None => dial
+                .as_ref()
+                .and_then(|d| d.rsplit_once(':'))
+                .map_or_else(|| host_of(address), |(h, _)| h.to_string()),
         };
-        if let Some(other) = links.insert(address, name.clone()) {
+        let link_key = dial.clone().unwrap_or_else(|| address.to_string());
+        if let Some(other) = links.insert(link_key, name.clone()) {
             return Err(r.error(
                 node.address.span(),
                 format!("node[{i}].address"),
@@ -384,6 +389,7 @@ pub(super) fn validate(
             name: name.clone(),
             role,
             address,
+            dial,
             admin,
             host,
         });
@@ -454,6 +460,48 @@ pub(super) fn validate(
         supervision,
         nodes,
         telemetry,
+    })
+}
+
+/// A node's link address: `IP:PORT`, or `NAME:PORT` with a DNS name (then the node binds every
+/// interface on PORT and peers resolve NAME at each dial).
+fn parse_node_addr(
+    r: &Reporter<'_>,
+    value: &Spanned<String>,
+    key: &str,
+) -> Result<(SocketAddr, Option<String>), ConfigError> {
+    let text = value.get_ref();
+    if let Ok(a) = text.parse::<SocketAddr>() {
+        return Ok((a, None));
+    }
+    let named = text.rsplit_once(':').and_then(|(host, port)| {
+        let port: u16 = port.parse().ok()?;
+        let dns = !host.is_empty()
+            && host.len() <= 253
+            && host.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            })
+            // All digits and dots is a broken IP, not a name.
+            && !host.chars().all(|c| c.is_ascii_digit() || c == '.');
+        (dns && port != 0).then(|| {
+            (
+                SocketAddr::new([0, 0, 0, 0].into(), port),
+                Some(text.clone()),
+            )
+        })
+    });
+    named.ok_or_else(|| {
+        r.error(
+            value.span(),
+            key,
+            format!(
+                "`{text}` is not a node address: expected IP:PORT or DNS-NAME:PORT, such as \"127.0.0.1:7100\" or \"duet-decode-0.duet-decode:7500\""
+            ),
+        )
     })
 }
 

@@ -108,6 +108,23 @@ fn ports_clash_only_on_one_host() {
 
 /// Each invalid file, the line and key the error must name, and text the message must contain.
 #[test]
+fn nodes_may_be_named_by_dns_and_share_a_port() {
+    // As a Kubernetes chart writes them: each pod by its stable name, all on one port.
+    let c = parse(
+        "[[node]]\nname = \"r\"\nrole = \"router\"\naddress = \"duet-router-0.duet-router:7500\"\n\
+         [[node]]\nname = \"d\"\nrole = \"decode\"\naddress = \"duet-decode-0.duet-decode:7500\"\n",
+    )
+    .expect("DNS names");
+    let d = c.node("d").expect("d");
+    assert_eq!(d.dial.as_deref(), Some("duet-decode-0.duet-decode:7500"));
+    // It binds every interface of its own host (its IP is not in the file)...
+    assert_eq!(d.address, "0.0.0.0:7500".parse().expect("addr"));
+    // ...is its own host, and keeps its admin API on loopback.
+    assert_eq!(d.host, "duet-decode-0.duet-decode");
+    assert!(d.admin.ip().is_loopback());
+}
+
+#[test]
 fn invalid_files_name_line_key_and_expectation() {
     let node = |name: &str, role: &str, addr: &str| {
         format!("[[node]]\nname = \"{name}\"\nrole = \"{role}\"\naddress = \"{addr}\"\n")
@@ -154,7 +171,25 @@ fn invalid_files_name_line_key_and_expectation() {
             node("a", "router", "127.0.0.1"),
             4,
             "node[0].address",
-            "is not a socket address",
+            "is not a node address",
+        ),
+        (
+            "DNS name without a port",
+            node("a", "router", "duet-router-0.duet"),
+            4,
+            "node[0].address",
+            "expected IP:PORT or DNS-NAME:PORT",
+        ),
+        (
+            "two nodes on one DNS name",
+            format!(
+                "{}{}",
+                node("a", "router", "duet-0.duet:7500"),
+                node("b", "prefill", "duet-0.duet:7500")
+            ),
+            8,
+            "node[1].address",
+            "already the address of node `a`",
         ),
         (
             "role that does not exist",

@@ -200,9 +200,18 @@ async fn dial(state: &LinkState) -> Result<(Session, quinn::RecvStream), LinkErr
         peer: peer.clone(),
         reason,
     };
-    // A joined node may come back at another address (its hello says so): dial the latest.
-    let address = ctx.roster.node(&peer).map_or(state.address, |n| n.address);
+    // A joined node may come back at another address (its hello says so): dial the latest;
+    // one the file names by DNS is resolved at every dial (a pod back with a new IP).
+    let target = ctx.roster.node(&peer);
     let attempt = async {
+        let address = match target.as_ref().and_then(|n| n.dial.clone()) {
+            Some(name) => tokio::net::lookup_host(name.as_str())
+                .await
+                .ok()
+                .and_then(|mut addrs| addrs.next())
+                .ok_or_else(|| connect_err(format!("cannot resolve `{name}`")))?,
+            None => target.as_ref().map_or(state.address, |n| n.address),
+        };
         let connection = ctx
             .endpoint
             .connect(address, CLUSTER_SERVER_NAME)
