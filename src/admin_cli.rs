@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use duet_runtime::admin::client::{self, AdminClientError, Method};
-use duet_runtime::config::ClusterConfig;
+use duet_runtime::config::{ClusterConfig, Role};
 use duet_runtime::credentials::Credentials;
 use duet_runtime::tree::{self, NodeTree};
 use serde_json::json;
@@ -280,4 +280,69 @@ pub async fn resume(config: &Path, name: &str) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `duet status NODE [--alive]`: a probe (Kubernetes readiness and liveness). Exit 0 when the
+/// node's admin API answers and, unless `alive`, it takes requests (not draining) and sees a
+/// node of the role it serves with up: a router for a worker, a worker for a router.
+pub async fn status(config: &Path, name: &str, alive: bool) -> ExitCode {
+    let (config, token) = match load(config) {
+        Ok(x) => x,
+        Err(code) => return code,
+    };
+    let Some(node) = find_node(&config, &token, name, "").await else {
+        return ExitCode::FAILURE;
+    };
+    let get = |path: &'static str| {
+        client::call(node.admin, &token, Method::GET, path, None, CALL_TIMEOUT)
+    };
+    let drain = match get("/v1/drain").await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if alive {
+        println!("{name}: alive");
+        return ExitCode::SUCCESS;
+    }
+    if drain["draining"].as_bool().unwrap_or(false) {
+        println!("{}", drain_line(&drain));
+        return ExitCode::FAILURE;
+    }
+    let membership = match get("/v1/membership").await {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let nodes = with_joined(&config, &token).await;
+    let wanted = |role: Role| {
+        if node.role == Role::Router {
+            role != Role::Router
+        } else {
+            role == Role::Router
+        }
+    };
+    let up: Vec<&str> = nodes
+        .iter()
+        .filter(|n| wanted(n.role))
+        .filter(|n| membership["peers"][n.name.as_str()]["state"] == "up")
+        .map(|n| n.name.as_str())
+        .collect();
+    if up.is_empty() {
+        println!(
+            "{name}: not ready: sees no {} up",
+            if node.role == Role::Router {
+                "worker"
+            } else {
+                "router"
+            }
+        );
+        return ExitCode::FAILURE;
+    }
+    println!("{name}: ready (sees {} up)", up.join(", "));
+    ExitCode::SUCCESS
 }

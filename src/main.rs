@@ -116,6 +116,18 @@ enum Command {
         #[arg(long, value_name = "SECS", default_value_t = 120)]
         wait: u64,
     },
+    /// Whether a node is ready (answers, takes requests, sees a peer of the role it serves):
+    /// exit 0 or 1, for probes.
+    Status {
+        /// The cluster file.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+        /// The node's name.
+        node: String,
+        /// Only whether its admin API answers (a liveness probe).
+        #[arg(long)]
+        alive: bool,
+    },
     /// Let a drained node take new requests again.
     Resume {
         /// The cluster file.
@@ -215,6 +227,11 @@ async fn run(cli: Cli) -> ExitCode {
             admin_cli::drain(&config, &node, wait).await
         }
         Command::Resume { config, node } => admin_cli::resume(&config, &node).await,
+        Command::Status {
+            config,
+            node,
+            alive,
+        } => admin_cli::status(&config, &node, alive).await,
         Command::Rollout { config, role, wait } => {
             rollout::run(&config, &role, std::time::Duration::from_secs(wait)).await
         }

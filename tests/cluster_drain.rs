@@ -67,6 +67,22 @@ async fn a_drained_worker_takes_nothing_new_until_resumed() {
         .expect("d0 in the tree");
     assert_eq!(d0["status"], "draining", "{d0}");
     router_ready(http, 2).await; // d0 left the router's choices
+    // The probe the Kubernetes chart uses: d0 is not ready (draining) but alive; d1 is ready.
+    let out = duet(&["status", "--config", config, "d0"]).await;
+    assert!(
+        !out.status.success() && out.stdout.contains("d0: drain"),
+        "{}",
+        out.stdout
+    );
+    let out = duet(&["status", "--config", config, "--alive", "d0"]).await;
+    assert!(out.status.success(), "{}{}", out.stdout, out.stderr);
+    let out = duet(&["status", "--config", config, "d1"]).await;
+    assert!(
+        out.status.success() && out.stdout.contains("ready (sees router up)"),
+        "{}{}",
+        out.stdout,
+        out.stderr
+    );
 
     let (d0_before, d1_before) = (
         served_by(&c, &token, "d0").await,
