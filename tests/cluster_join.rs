@@ -190,21 +190,7 @@ async fn nodes_outside_the_file_join_spread_and_take_traffic() {
     );
     let x_port = spare_port(&c, &[d7_port, p7_port]);
     let _x = join(&wrong, "x9", "decode", x_port).await;
-    poll(
-        "a refused hello on the router",
-        Duration::from_secs(15),
-        || async {
-            let n = metric(
-                c.admin("router"),
-                &token,
-                "duet_link_handshake_failures_total",
-                "reason=\"token\"",
-            )
-            .await;
-            (n > 0.0).then_some(())
-        },
-    )
-    .await;
+    handshake_refused(c.admin("router"), &token, "token").await;
     let membership = admin_get(c.admin("router"), &token, "/v1/membership")
         .await
         .expect("the router's membership");

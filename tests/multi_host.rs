@@ -11,34 +11,18 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use common::fleet::*;
 use common::hosts::Hosts;
 use common::*;
-use serde_json::{Value, json};
-use tokio::sync::Mutex;
+use serde_json::json;
 
 /// Every node listens on this port on its own host.
 const PORT: u16 = 7500;
 /// The router's OpenAI port, on the router's host.
 const HTTP: u16 = 8000;
-/// Distinct prompts the load cycles through (each several prefill chunks). Decode's pool
-/// holds about two of them beside the three running requests, so cycling through 24 (least
-/// recently used goes first) finds none in its prefix cache: every request crosses hosts
-/// unless the router sends it to decode alone.
-const PROMPTS: usize = 24;
-
-fn prompt(salt: usize) -> String {
-    format!(
-        "Host test {salt}. Clusters span many machines: routers pair prefill and decode \
-         workers, and the KV cache moves between them over the network. "
-    )
-    .repeat(3)
-}
-
 /// The cluster file: three nodes on three hosts, one port, default (loopback) admin addresses.
 fn cluster_toml(h: &Hosts) -> String {
     let model = real_model();
@@ -63,120 +47,19 @@ fn cluster_toml(h: &Hosts) -> String {
     text
 }
 
-/// One completion through curl on the router's host: the status and the body.
-async fn complete_on(h: &Hosts, body: &Value) -> (u16, Value) {
-    let out = h
-        .command("hrouter", "curl")
-        .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
-        .arg("content-type: application/json")
-        .arg("-d")
-        .arg(body.to_string())
-        .arg(format!("http://127.0.0.1:{HTTP}/v1/completions"))
-        .output()
-        .await
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(json_text).unwrap_or(Value::Null),
-    )
-}
-
 /// A GET on `node`'s admin API, from its own host (its admin listens on that host's loopback).
 async fn admin_on(h: &Hosts, host: &str, token: &str, path: &str) -> String {
-    let out = h
-        .command(host, "curl")
-        .args(["-s", "--max-time", "3", "-H"])
-        .arg(format!("authorization: Bearer {token}"))
-        .arg(format!("http://127.0.0.1:{PORT}{path}"))
-        .output()
-        .await
-        .expect("curl");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    admin_from(h, host, &format!("127.0.0.1:{PORT}"), token, path).await
 }
 
 /// A counter or gauge of `host`'s node, summed over the label sets that contain `labels`.
 async fn metric_on(h: &Hosts, host: &str, token: &str, name: &str, labels: &str) -> f64 {
-    admin_on(h, host, token, "/metrics")
-        .await
-        .lines()
-        .filter(|l| l.starts_with(name) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    metric_in(&admin_on(h, host, token, "/metrics").await, name, labels)
 }
 
 /// Waits until the router reports `workers` ready workers.
 async fn router_ready_on(h: &Hosts, workers: usize) {
     router_ready_with(HTTP, workers, || h.command("hrouter", "curl")).await;
-}
-
-/// What the clients saw in one scenario.
-#[derive(Default, Debug)]
-struct Tally {
-    ok: usize,
-    wrong: Vec<String>,
-    failed: BTreeMap<String, usize>,
-}
-
-/// Clients that send the cycled prompts back to back until told to stop.
-struct Load {
-    stop: Arc<AtomicBool>,
-    tally: Arc<Mutex<Tally>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(h: &Arc<Hosts>, refs: &Arc<Vec<String>>, clients: usize, offset: usize) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let tally = Arc::new(Mutex::new(Tally::default()));
-        let tasks = (0..clients)
-            .map(|c| {
-                let (h, refs, stop, tally) = (h.clone(), refs.clone(), stop.clone(), tally.clone());
-                tokio::spawn(async move {
-                    let mut i = offset + c;
-                    while !stop.load(Ordering::Relaxed) {
-                        let k = i % PROMPTS;
-                        let body = json!({"prompt": prompt(k), "max_tokens": 8,
-                                          "ignore_eos": true, "temperature": 0});
-                        let (code, v) = complete_on(&h, &body).await;
-                        let mut t = tally.lock().await;
-                        match code {
-                            200 if v["choices"][0]["text"] == refs[k].as_str() => t.ok += 1,
-                            200 => t.wrong.push(format!("prompt {k}: {v}")),
-                            _ => {
-                                let why = v["error"]["code"].as_str().unwrap_or("none");
-                                *t.failed.entry(format!("{why} (HTTP {code})")).or_default() += 1;
-                            }
-                        }
-                        i += clients;
-                    }
-                })
-            })
-            .collect();
-        Load { stop, tally, tasks }
-    }
-
-    /// Waits until the clients have finished a request (the load is under way).
-    async fn under_way(&self) {
-        poll("the load under way", Duration::from_secs(60), || async {
-            let t = self.tally.lock().await;
-            (t.ok + t.wrong.len() + t.failed.len() > 0).then_some(())
-        })
-        .await;
-    }
-
-    /// Stops the clients (each finishes its request: every request ends) and returns the tally.
-    async fn finish(self) -> Tally {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.tasks {
-            tokio::time::timeout(Duration::from_secs(150), t)
-                .await
-                .expect("every request ends")
-                .expect("client task");
-        }
-        std::mem::take(&mut *self.tally.lock().await)
-    }
 }
 
 /// Completed transfers on decode (a request served through both workers).
@@ -249,64 +132,29 @@ impl Counters {
     }
 }
 
-fn report(scenario: &str, t: &Tally, c: Counters, back: Duration) {
-    eprintln!(
-        "[multi-host] {scenario}: {} requests, {} ok, {} wrong, failures {:?}; router: {} \
-         retries, {} routed disaggregated, {} to decode alone; {} transfers completed; first \
-         request through both workers {:.1} s after the fault ended",
-        t.ok + t.wrong.len() + t.failed.values().sum::<usize>(),
-        t.ok,
-        t.wrong.len(),
-        t.failed,
-        c.retries,
-        c.disaggregated,
-        c.decode_only,
-        c.transfers,
-        back.as_secs_f64()
+fn report_scenario(scenario: &str, t: &Tally, c: Counters, back: Duration) {
+    let counters = format!(
+        "router: {} retries, {} routed disaggregated, {} to decode alone; {} transfers completed",
+        c.retries, c.disaggregated, c.decode_only, c.transfers
     );
-    assert!(
-        t.wrong.is_empty(),
-        "{scenario}: wrong answers: {:?}",
-        t.wrong
-    );
-    assert!(t.ok > 0, "{scenario}: nothing served");
+    report("multi-host", scenario, t, &counters, back);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn three_hosts_serve_right_through_cuts_and_a_crash() {
-    let mut hosts = Hosts::new(&["hrouter", "hprefill", "hdecode"]);
+    let hosts = Hosts::new(&["hrouter", "hprefill", "hdecode"]);
     for host in ["hrouter", "hprefill", "hdecode"] {
         hosts.boot(host).await;
     }
-    let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("cluster.toml");
-    std::fs::write(&config, cluster_toml(&hosts)).expect("cluster file");
-    let config = path_str(&config).to_string();
-    let out = duet(&["credentials", "--config", &config]).await;
-    assert!(out.status.success(), "{}", out.stderr);
-    let token = std::fs::read_to_string(dir.path().join(".duet/token"))
-        .expect("token")
-        .trim()
-        .to_string();
-    let history = dir.path().join("history");
-    std::fs::create_dir_all(&history).expect("history folder");
-    let history = path_str(&history).to_string();
+    let FleetDir {
+        dir: _dir,
+        config,
+        token,
+        history,
+    } = FleetDir::new(&cluster_toml(&hosts)).await;
 
     eprintln!("[multi-host] hosts up; references from duet generate");
-    let refs: Vec<String> = {
-        // Two at a time (two cores); each `duet generate` loads the model on its own.
-        let mut v = Vec::new();
-        for pair in (0..PROMPTS).collect::<Vec<_>>().chunks(2) {
-            let runs = pair
-                .iter()
-                .map(|&k| tokio::spawn(async move { generate_reference(&prompt(k), 8).await }));
-            for r in runs.collect::<Vec<_>>() {
-                v.push(r.await.expect("reference"));
-            }
-        }
-        v
-    };
-    let refs = Arc::new(refs);
+    let refs = references().await;
 
     eprintln!("[multi-host] starting the nodes");
     let _router = start_node(&hosts, "hrouter", &config, "router", &history).await;
@@ -337,7 +185,7 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     for k in 0..PROMPTS {
         let body = json!({"prompt": prompt(k), "max_tokens": 8, "ignore_eos": true,
                           "temperature": 0});
-        let (code, v) = complete_on(&hosts, &body).await;
+        let (code, v) = complete_on(&hosts, "hrouter", HTTP, &body).await;
         assert_eq!(code, 200, "{v}");
         assert_eq!(v["choices"][0]["text"], refs[k].as_str(), "prompt {k}");
     }
@@ -355,7 +203,7 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     let hosts = Arc::new(hosts);
     // 1. The prefill host cut off for 6 s under load.
     let start = Counters::read(&hosts, &token).await;
-    let load = Load::start(&hosts, &refs, 3, 0);
+    let load = Load::start(&hosts, &refs, &[("hrouter", HTTP)], 3, 0);
     load.under_way().await;
     hosts.set_link("hprefill", false);
     tokio::time::sleep(Duration::from_secs(6)).await; // the fault's length
@@ -364,11 +212,11 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     let back = until_served_through_both(&hosts, &token, before).await;
     let tally = load.finish().await;
     let c = Counters::read(&hosts, &token).await.since(start);
-    report("prefill host cut 6 s", &tally, c, back);
+    report_scenario("prefill host cut 6 s", &tally, c, back);
 
     // 2. Only the prefill-decode pair cut for 6 s: the router still reaches both.
     let start = Counters::read(&hosts, &token).await;
-    let load = Load::start(&hosts, &refs, 3, 8);
+    let load = Load::start(&hosts, &refs, &[("hrouter", HTTP)], 3, 8);
     load.under_way().await;
     hosts.set_pair("hprefill", "hdecode", true);
     tokio::time::sleep(Duration::from_secs(6)).await; // the fault's length
@@ -377,10 +225,9 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     let back = until_served_through_both(&hosts, &token, before).await;
     let tally = load.finish().await;
     let c = Counters::read(&hosts, &token).await.since(start);
-    report("prefill-decode pair cut 6 s", &tally, c, back);
+    report_scenario("prefill-decode pair cut 6 s", &tally, c, back);
 
     // 3. The decode host crashes (every process on it, its /dev/shm gone) and boots again.
-    let mut hosts = Arc::try_unwrap(hosts).unwrap_or_else(|_| panic!("load still running"));
     hosts.crash("hdecode").await;
     drop(d0);
     hosts.boot("hdecode").await;
@@ -389,8 +236,7 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     router_ready_on(&hosts, 2).await;
     // Decode's counters start again from zero in its new process.
     let start = Counters::read(&hosts, &token).await;
-    let hosts = Arc::new(hosts);
-    let load = Load::start(&hosts, &refs, 3, 16);
+    let load = Load::start(&hosts, &refs, &[("hrouter", HTTP)], 3, 16);
     until_served_through_both(&hosts, &token, start.transfers).await;
     let back = started.elapsed();
     // More load through the new decode process before the tally.
@@ -402,7 +248,7 @@ async fn three_hosts_serve_right_through_cuts_and_a_crash() {
     .await;
     let tally = load.finish().await;
     let c = Counters::read(&hosts, &token).await.since(start);
-    report("decode host crashed and rebooted", &tally, c, back);
+    report_scenario("decode host crashed and rebooted", &tally, c, back);
 
     let report = check_history(&history).await;
     eprintln!("[multi-host] history: {report}");

@@ -156,6 +156,21 @@ struct Child {
     last_exit: Option<String>,
 }
 
+impl Child {
+    /// A child just started: running, no restart yet.
+    fn started(spec: ChildSpec, cell: ActorCell) -> Child {
+        Child {
+            spec,
+            cell: Some(cell),
+            status: Status::Running,
+            restarts: 0,
+            recent: VecDeque::new(),
+            stop_requested: false,
+            last_exit: None,
+        }
+    }
+}
+
 /// A supervisor's children.
 pub struct SupervisorState {
     path: String,
@@ -199,15 +214,7 @@ impl Actor for Supervisor {
             let cell = (spec.start)(myself.get_cell())
                 .await
                 .map_err(|e| format!("{}: cannot start: {e}", state.child_path(&spec.name)))?;
-            state.children.push(Child {
-                spec,
-                cell: Some(cell),
-                status: Status::Running,
-                restarts: 0,
-                recent: VecDeque::new(),
-                stop_requested: false,
-                last_exit: None,
-            });
+            state.children.push(Child::started(spec, cell));
         }
         Ok(state)
     }
@@ -253,15 +260,7 @@ impl Actor for Supervisor {
                 }
                 let path = state.child_path(&spec.name);
                 match (spec.start)(myself.get_cell()).await {
-                    Ok(cell) => state.children.push(Child {
-                        spec,
-                        cell: Some(cell),
-                        status: Status::Running,
-                        restarts: 0,
-                        recent: VecDeque::new(),
-                        stop_requested: false,
-                        last_exit: None,
-                    }),
+                    Ok(cell) => state.children.push(Child::started(spec, cell)),
                     // Not this supervisor's failure: the child was never running.
                     Err(e) => tracing::error!(%path, error = %e, "cannot start an added child"),
                 }

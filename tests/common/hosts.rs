@@ -33,13 +33,17 @@ pub struct Host {
     netns: String,
     /// The switch-side end of the host's veth.
     port: String,
-    holder: Option<Child>,
+    /// Behind a lock so a host can crash and boot while others hold the [`Hosts`] (a load
+    /// running on the other hosts).
+    holder: std::sync::Mutex<Option<Child>>,
 }
 
 impl Host {
     /// The pid whose namespaces the host's processes join.
     fn holder_pid(&self) -> u32 {
         self.holder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .and_then(|c| c.id())
             .unwrap_or_else(|| panic!("host {} is down", self.name))
@@ -77,13 +81,16 @@ fn sh_quiet(args: &[&str]) {
 }
 
 /// Kills every process in a network namespace.
-fn kill_all_in(netns: &str) {
+/// SIGKILLs every process in `netns`; how many there were.
+fn kill_all_in(netns: &str) -> usize {
     let out = std::process::Command::new("ip")
         .args(["netns", "pids", netns])
         .output();
+    let mut n = 0;
     if let Ok(out) = out {
         for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             if let Ok(pid) = pid.parse::<i32>() {
+                n += 1;
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid),
                     nix::sys::signal::Signal::SIGKILL,
@@ -91,6 +98,7 @@ fn kill_all_in(netns: &str) {
             }
         }
     }
+    n
 }
 
 /// Removes namespaces of harnesses whose test process is gone.
@@ -165,7 +173,7 @@ impl Hosts {
                 ip,
                 netns,
                 port,
-                holder: None,
+                holder: std::sync::Mutex::new(None),
             });
         }
         me
@@ -178,13 +186,6 @@ impl Hosts {
             .unwrap_or_else(|| panic!("no host {name}"))
     }
 
-    fn host_mut(&mut self, name: &str) -> &mut Host {
-        self.hosts
-            .iter_mut()
-            .find(|h| h.name == name)
-            .unwrap_or_else(|| panic!("no host {name}"))
-    }
-
     /// The address of `host`.
     pub fn ip(&self, host: &str) -> Ipv4Addr {
         self.host(host).ip
@@ -192,11 +193,14 @@ impl Hosts {
 
     /// Boots `host`: a holder process in its network namespace with a new UTS name and a new
     /// mount namespace (private `/dev/shm`, its own `/etc/hostname`).
-    pub async fn boot(&mut self, host: &str) {
+    pub async fn boot(&self, host: &str) {
         let hostname_file: PathBuf = self.dir.path().join(format!("{host}.hostname"));
         std::fs::write(&hostname_file, format!("{host}\n")).expect("hostname file");
-        let h = self.host_mut(host);
-        assert!(h.holder.is_none(), "host {host} is already up");
+        let h = self.host(host);
+        assert!(
+            h.holder.lock().unwrap_or_else(|p| p.into_inner()).is_none(),
+            "host {host} is already up"
+        );
         let script = format!(
             "hostname {host} && mount -t tmpfs -o size=512m duet-shm /dev/shm && \
              mount --bind {} /etc/hostname && echo up && exec sleep 1000000",
@@ -219,7 +223,7 @@ impl Hosts {
             .ok()
             .and_then(|l| l.ok().flatten());
         assert_eq!(line.as_deref(), Some("up"), "host {host} did not boot");
-        h.holder = Some(child);
+        *h.holder.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
     }
 
     /// A command that runs on `host` (its network, name and mounts), not yet started.
@@ -250,10 +254,16 @@ impl Hosts {
     }
 
     /// Crashes `host`: every process on it dies at once (SIGKILL), its `/dev/shm` is lost.
-    pub async fn crash(&mut self, host: &str) {
-        let h = self.host_mut(host);
-        kill_all_in(&h.netns);
-        if let Some(mut holder) = h.holder.take() {
+    pub async fn crash(&self, host: &str) {
+        let h = self.host(host);
+        // Until no process is left in it: a killed process holds its sockets (the node's
+        // port) until it has finished exiting.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while kill_all_in(&h.netns) > 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let holder = h.holder.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(mut holder) = holder {
             let _ = holder.wait().await;
         }
     }

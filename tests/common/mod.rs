@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
+pub mod fleet;
 pub mod hosts;
 
 use std::net::SocketAddr;
@@ -316,6 +317,21 @@ where
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Waits (15 s at most) until the node at `admin` has refused a link for `reason` (`tls`,
+/// `token`, `version`...), as `duet_link_handshake_failures_total` counts.
+pub async fn handshake_refused(admin: SocketAddr, token: &str, reason: &str) {
+    let label = format!("reason=\"{reason}\"");
+    poll(
+        &format!("a link refused ({reason}) at {admin}"),
+        Duration::from_secs(15),
+        || async {
+            let n = metric(admin, token, "duet_link_handshake_failures_total", &label).await;
+            (n > 0.0).then_some(())
+        },
+    )
+    .await;
 }
 
 /// GET a JSON admin endpoint.

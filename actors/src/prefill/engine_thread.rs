@@ -11,7 +11,8 @@ use duet_gpu::PageId;
 use duet_runtime::metrics as m;
 use duet_transport::{AbortReason, PageRun, TransferLedger, coalesce};
 
-use super::sender::{Job, SenderHub, Target};
+use super::hub::SenderHub;
+use super::sender::{Job, Target};
 use super::{Cmd, Holding};
 use crate::outbox::{Outbox, Outgoing};
 use crate::protocol::{

@@ -45,11 +45,12 @@ use crate::settings::ServingConfig;
 use crate::worker::{engine_options, install_drain_probe, layout_info, load_model, report_load};
 
 mod engine_thread;
+mod hub;
 mod sender;
 
 use engine_thread::PrefillCore;
-pub use sender::SenderHub;
-use sender::SenderParts;
+pub use hub::SenderHub;
+use hub::SenderParts;
 
 /// The prefill worker actor.
 pub struct PrefillWorker;

@@ -1,10 +1,18 @@
-//! Prefill's KV sender: the thread that runs the engine thread's jobs in order (write runs of
-//! pages into decode's pool, fence, send the done, drain an aborted flight), one transport per
-//! decode worker incarnation, and the supervised actor's hand-off of that thread.
+//! Prefill's KV sender: the threads that run the engine thread's jobs in order (write runs of
+//! pages into decode's pool, fence, send the done, drain an aborted flight), one thread (a
+//! lane) per decode node with one transport per decode worker incarnation, and the supervised
+//! actor's hand-off of those threads.
+//!
+//! One lane per decode node, because a write blocks while its peer is unreachable (a TCP send
+//! buffer full towards a host that was cut off, until TCP's retransmission gives up or the
+//! peer answers): with one thread for every decode node, transfers to healthy decode workers
+//! waited behind it, and a 6 s cut of one decode host stalled every transfer of the prefill
+//! worker for about 10 s more (`tests/six_hosts.rs`). Jobs of one attempt all go to one node,
+//! so each lane keeps their order.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_gpu::{PageId, PoolMemory};
@@ -14,7 +22,6 @@ use duet_transport::{
 };
 
 use super::Cmd;
-use crate::handoff::HandOff;
 use crate::history;
 use crate::outbox::Outbox;
 use crate::protocol::{
@@ -84,150 +91,6 @@ impl LinkKey {
                 .then_some(to.endpoint.tcp)
                 .flatten(),
         }
-    }
-}
-
-/// The sending half: runs jobs in order over one transport per decode worker incarnation.
-/// What a sender thread is built from (set by each worker incarnation).
-#[derive(Clone)]
-pub(super) struct SenderParts {
-    pub(super) memory: PoolMemory,
-    pub(super) layout: duet_gpu::KvLayout,
-    pub(super) outbox: Outbox,
-    pub(super) done: std_mpsc::Sender<Cmd>,
-    pub(super) checksum: bool,
-    /// The worker incarnation.
-    pub(super) id: u64,
-    pub(super) node: String,
-}
-
-/// The hand-off between a prefill worker and its KV sender actor (`NODE/prefill/sender`, a
-/// sibling under the prefill supervisor, so `duet kill` reaches it). The worker sets what a
-/// sender thread needs and starts one; a restarted sender actor replaces the thread. A
-/// replacement stops and joins the old thread first (once joined, nothing of it can write),
-/// under one lock so two replacements never overlap. Jobs carry the worker incarnation that
-/// queued them and are delivered only to a thread built for that incarnation: a dying worker's
-/// core can never have a successor's thread write for it. After a sender restart the worker
-/// aborts every flight, each draining through the new thread.
-#[derive(Default)]
-pub struct SenderHub {
-    pub(super) inner: Mutex<HubInner>,
-    /// Sender actor starts so far (the first one finds the worker's thread running).
-    pub(super) actor_starts: std::sync::atomic::AtomicU64,
-}
-
-#[derive(Default)]
-pub(super) struct HubInner {
-    pub(super) parts: Option<SenderParts>,
-    pub(super) jobs: Option<std_mpsc::Sender<Job>>,
-    pub(super) thread: Option<(
-        Arc<std::sync::atomic::AtomicBool>,
-        std::thread::JoinHandle<()>,
-    )>,
-}
-
-impl SenderHub {
-    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HubInner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues a job of worker incarnation `worker` for the sender thread; false when no
-    /// thread of that incarnation runs (its flights are aborted when the next one starts).
-    pub(super) fn send(&self, worker: u64, job: Job) -> bool {
-        let inner = self.lock();
-        inner.parts.as_ref().is_some_and(|p| p.id == worker)
-            && inner.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
-    }
-
-    /// Worker incarnation `worker` is gone: its thread stops after its current job (not
-    /// waited for; the next replacement joins it) and nothing is built from its parts again.
-    pub(super) fn retire(&self, worker: u64) {
-        let mut inner = self.lock();
-        if inner.parts.as_ref().is_some_and(|p| p.id == worker) {
-            inner.parts = None;
-        }
-        inner.jobs = None;
-        if let Some((stop, _)) = inner.thread.as_ref() {
-            stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// Stops and joins the sender thread, then starts a new one from `parts` (or from the
-    /// current parts when `None`; none when there are none). Blocking.
-    pub(super) fn replace_thread(&self, parts: Option<SenderParts>) -> std::io::Result<()> {
-        let mut inner = self.lock();
-        inner.jobs = None;
-        if let Some((stop, handle)) = inner.thread.take() {
-            stop.store(true, std::sync::atomic::Ordering::SeqCst);
-            let _ = handle.join();
-        }
-        if parts.is_some() {
-            inner.parts = parts;
-        }
-        let Some(p) = inner.parts.clone() else {
-            return Ok(());
-        };
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (tx, rx) = std_mpsc::channel();
-        let env = |k: &str| std::env::var(k).ok();
-        let sender = KvSender {
-            memory: p.memory,
-            layout: p.layout,
-            outbox: p.outbox,
-            done: p.done,
-            stop: stop.clone(),
-            links: HashMap::new(),
-            progress: HashMap::new(),
-            layer_spans: HashMap::new(),
-            checksum: p.checksum,
-            corrupt: env("DUET_FAULT_CORRUPT_KV")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-            fail_rate: env("DUET_FAULT_TRANSFER_FAIL_RATE")
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|p| (0.0..=1.0).contains(p))
-                .unwrap_or(0.0),
-            id: p.id,
-            stall_once: env("DUET_FAULT_STALL_TRANSFER_MS")
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_millis),
-            stall_mid_write: env("DUET_FAULT_STALL_MID_WRITE_MS")
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_millis),
-        };
-        let handle = std::thread::Builder::new()
-            .name(format!("duet-kv-sender-{}", p.node))
-            .spawn(move || sender.run(rx))?;
-        inner.jobs = Some(tx);
-        inner.thread = Some((stop, handle));
-        Ok(())
-    }
-}
-
-/// The KV sender as a supervised actor (`NODE/prefill/sender`): killing it stops the sender
-/// thread after its current write; its successor starts a new one and has the worker fail the
-/// rooms the old one held (their pages stay pinned until they drain through the new thread).
-impl HandOff for SenderHub {
-    const WHAT: &'static str = "KV sender";
-
-    fn actor_starts(&self) -> &std::sync::atomic::AtomicU64 {
-        &self.actor_starts
-    }
-
-    fn halt(&self) {
-        let mut inner = self.lock();
-        inner.jobs = None;
-        if let Some((stop, _)) = inner.thread.as_ref() {
-            stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    fn replace(&self) -> Result<(), String> {
-        self.replace_thread(None).map_err(|e| e.to_string())?;
-        if let Some(p) = self.lock().parts.as_ref() {
-            let _ = p.done.send(Cmd::SenderRestarted);
-        }
-        Ok(())
     }
 }
 
