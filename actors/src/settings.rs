@@ -20,6 +20,9 @@ pub struct ServingConfig {
     pub model_name: String,
     /// The router's OpenAI-compatible HTTP address.
     pub http: SocketAddr,
+    /// Several routers of one host share `http` (SO_REUSEPORT): the kernel spreads new
+    /// connections over the live ones, so a router that dies takes no new connection.
+    pub http_reuse_port: bool,
     /// KV pages per worker.
     pub kv_pages: usize,
     /// KV element type.
@@ -110,6 +113,7 @@ struct RawServing {
     drain_backstop_secs: Option<Spanned<u64>>,
     retries: Option<Spanned<u64>>,
     migration: Option<bool>,
+    http_reuse_port: Option<bool>,
     migration_keep_secs: Option<Spanned<u64>>,
     shutdown_drain_secs: Option<Spanned<u64>>,
     #[serde(default)]
@@ -335,6 +339,7 @@ impl ServingConfig {
             )?),
             retries: int(&s.retries, "serving.retries", 0, 16, 5)? as usize,
             migration: s.migration.unwrap_or(true),
+            http_reuse_port: s.http_reuse_port.unwrap_or(false),
             migration_keep: Duration::from_secs(int(
                 &s.migration_keep_secs,
                 "serving.migration_keep_secs",

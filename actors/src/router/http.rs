@@ -20,6 +20,7 @@ use tracing::Instrument;
 use super::RouterShared;
 use super::generation::Generation;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
+use crate::protocol::{ServingError, TokenItem};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -395,7 +396,8 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
             prompt_tokens,
             logprobs,
             c.include_usage(),
-        );
+        )
+        .await;
     }
     let (mut text, mut finish, mut lps, mut count, mut cached) =
         (String::new(), None, Vec::new(), 0, 0);
@@ -464,9 +466,14 @@ fn completion_logprobs(lps: &[(u32, f32, String)]) -> Value {
     })
 }
 
+/// A streamed response. Its headers wait for the first item: until then nothing has reached
+/// the client, so a request that fails before its first token (every attempt the router may
+/// make spent) is a plain HTTP error, and a router that dies meanwhile closes a connection
+/// with no response; both are what clients retry (the `openai` client does, by default). A
+/// 200 sent at once would leave them a stream that ends before it starts, which none retries.
 #[allow(clippy::too_many_arguments)]
-fn stream_response(
-    generation: Generation,
+async fn stream_response(
+    mut generation: Generation,
     api: Api,
     id: String,
     model: String,
@@ -475,8 +482,16 @@ fn stream_response(
     logprobs: bool,
     include_usage: bool,
 ) -> Response {
+    let first = generation.next().await;
+    if let Some(Err(e)) = first {
+        return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            .code(e.code().name())
+            .into_response();
+    }
     struct St {
         g: Generation,
+        /// The first item, taken before the headers went out.
+        pending: Option<Option<Result<TokenItem, ServingError>>>,
         first: bool,
         done: bool,
         count: usize,
@@ -500,6 +515,7 @@ fn stream_response(
     let events = stream::unfold(
         St {
             g: generation,
+            pending: Some(first),
             first: true,
             done: false,
             count: 0,
@@ -518,7 +534,11 @@ fn stream_response(
                         Value::Null,
                     )));
                 }
-                match st.g.next().await {
+                let next = match st.pending.take() {
+                    Some(first) => first,
+                    None => st.g.next().await,
+                };
+                match next {
                     Some(Ok(item)) => {
                         if item.token.is_some() {
                             st.count += 1;

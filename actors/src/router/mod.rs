@@ -450,6 +450,26 @@ pub struct Placement {
     pub avoid_prefill: Vec<String>,
 }
 
+/// The router's HTTP listener on `addr`; with `reuse_port`, one of several routers of this
+/// host sharing it (SO_REUSEPORT: new connections spread over the live listeners).
+fn bind_http(
+    addr: std::net::SocketAddr,
+    reuse_port: bool,
+) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As std's bind does on Unix: a port in TIME_WAIT is free to take.
+    socket.set_reuseaddr(true)?;
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
 /// Why an attempt could not start.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
@@ -575,7 +595,7 @@ impl Actor for RouterActor {
         // A predecessor's server (killed a moment ago) may still be closing its socket.
         let deadline = Instant::now() + Duration::from_secs(2);
         let listener = loop {
-            match tokio::net::TcpListener::bind(settings.http).await {
+            match bind_http(settings.http, settings.http_reuse_port) {
                 Ok(l) => break l,
                 Err(e)
                     if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
