@@ -39,16 +39,8 @@ async fn node_with_the_wrong_token_is_refused() {
     let c = ClusterDir::new(&[("router", "router"), ("d0", "decode")], FAST);
     c.credentials(&c.config).await;
     let token = c.token();
-    std::fs::write(
-        c.dir.path().join("wrong-token"),
-        "0000000000000000000000000000000000\n",
-    )
-    .expect("write token");
     // The right certificate and key, the wrong token.
-    let wrong = c.write(
-        "wrong.toml",
-        &format!("{FAST}[credentials]\ntoken_file = \"wrong-token\"\n"),
-    );
+    let wrong = c.wrong_token(FAST);
 
     let _router = Running::node(&c.config, "router").await;
     let _d0 = Running::node(&wrong, "d0").await;

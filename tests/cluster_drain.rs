@@ -34,20 +34,16 @@ async fn one_request(http: u16, i: usize) -> Result<String, String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_drained_worker_takes_nothing_new_until_resumed() {
-    let http = free_ports(1)[0];
-    let serving = format!(
-        "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{http}\"\n\
-         kv_pages = 32\ndisagg_threshold = 0\n"
-    );
-    let c = ClusterDir::new(
+    let c = ClusterDir::tiny(
         &[
             ("router", "router"),
             ("p0", "prefill"),
             ("d0", "decode"),
             ("d1", "decode"),
         ],
-        &serving,
+        "disagg_threshold = 0\n",
     );
+    let http = c.http;
     let _up = Running::up(&c.config).await;
     router_ready(http, 3).await;
     let token = c.token();

@@ -63,11 +63,7 @@ async fn nodes_outside_the_file_join_spread_and_take_traffic() {
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
         "",
     );
-    let serving = format!(
-        "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{}\"\n\
-         kv_pages = 32\ndisagg_threshold = 0\n",
-        c.http
-    );
+    let serving = c.tiny_serving("disagg_threshold = 0\n");
     let config = c.write("cluster.toml", &serving);
     let _up = Running::up(&config).await;
     router_ready(c.http, 2).await;
@@ -179,15 +175,7 @@ async fn nodes_outside_the_file_join_spread_and_take_traffic() {
     assert!(out.status.success(), "resume d7: {}", out.stderr);
 
     // A joiner with the wrong token is refused, and never a member.
-    std::fs::write(
-        c.dir.path().join("wrong-token"),
-        "0000000000000000000000000000000000\n",
-    )
-    .expect("write token");
-    let wrong = c.write(
-        "wrong.toml",
-        &format!("{serving}[credentials]\ntoken_file = \"wrong-token\"\n"),
-    );
+    let wrong = c.wrong_token(&serving);
     let x_port = spare_port(&c, &[d7_port, p7_port]);
     let _x = join(&wrong, "x9", "decode", x_port).await;
     handshake_refused(c.admin("router"), &token, "token").await;

@@ -71,20 +71,16 @@ fn load(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rolling_upgrade_of_the_decode_nodes_fails_no_request() {
-    let http = free_ports(1)[0];
-    let serving = format!(
-        "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{http}\"\n\
-         kv_pages = 32\ndisagg_threshold = 0\n"
-    );
-    let c = ClusterDir::new(
+    let c = ClusterDir::tiny(
         &[
             ("router", "router"),
             ("p0", "prefill"),
             ("d0", "decode"),
             ("d1", "decode"),
         ],
-        &serving,
+        "disagg_threshold = 0\n",
     );
+    let http = c.http;
     // `duet up` runs the binary at `bin`, which the upgrade replaces.
     let real = PathBuf::from(duet_bin());
     let bin = c.dir.path().join("duet");

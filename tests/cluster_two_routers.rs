@@ -30,21 +30,16 @@ async fn taken(c: &ClusterDir, token: &str, node: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn either_router_dies_and_the_other_serves_with_no_failed_start() {
     let python = openai_python().await;
-    let mut c = ClusterDir::new(
+    let c = ClusterDir::tiny(
         &[
             ("r0", "router"),
             ("r1", "router"),
             ("p0", "prefill"),
             ("d0", "decode"),
         ],
-        "",
+        "http_reuse_port = true\ndisagg_threshold = 0\n",
     );
     let http = c.http;
-    let serving = format!(
-        "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{http}\"\n\
-         http_reuse_port = true\nkv_pages = 64\ndisagg_threshold = 0\n"
-    );
-    c.config = c.write("cluster.toml", &serving);
     let _up = Running::up(&c.config).await;
     router_ready(http, 2).await;
     let token = c.token();

@@ -117,15 +117,19 @@ impl ClusterDir {
         me
     }
 
+    /// Nodes `(name, role)` serving the tiny model, with `keys` (TOML lines) in `[serving]`.
+    pub fn tiny(nodes: &[(&str, &str)], keys: &str) -> ClusterDir {
+        let mut c = ClusterDir::new(nodes, "");
+        c.config = c.write("cluster.toml", &c.tiny_serving(keys));
+        c
+    }
+
     /// Writes another cluster file over the same nodes (for a node with other credentials).
     pub fn write(&self, file: &str, extra: &str) -> PathBuf {
         let serving = if extra.contains("[serving]") {
             String::new()
         } else {
-            format!(
-                "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{}\"\nkv_pages = 32\n",
-                self.http
-            )
+            self.tiny_serving("")
         };
         let mut text = format!("[cluster]\nname = \"test\"\n{serving}{extra}\n");
         for (name, role, port) in &self.nodes {
@@ -136,6 +140,30 @@ impl ClusterDir {
         let path = self.dir.path().join(file);
         std::fs::write(&path, text).expect("write cluster file");
         path
+    }
+
+    /// A `[serving]` table for the tiny model on this cluster's HTTP port (32 KV pages), with
+    /// `keys` (TOML lines) added.
+    pub fn tiny_serving(&self, keys: &str) -> String {
+        format!(
+            "[serving]\nmodel = \"tiny.gguf\"\nmodel_name = \"tiny\"\nhttp = \"127.0.0.1:{}\"\n\
+             kv_pages = 32\n{keys}",
+            self.http
+        )
+    }
+
+    /// A cluster file (`wrong.toml`) with `extra` and the right certificate and key, but a
+    /// wrong token: a node started from it must be refused.
+    pub fn wrong_token(&self, extra: &str) -> PathBuf {
+        std::fs::write(
+            self.dir.path().join("wrong-token"),
+            "0000000000000000000000000000000000\n",
+        )
+        .expect("write token");
+        self.write(
+            "wrong.toml",
+            &format!("{extra}[credentials]\ntoken_file = \"wrong-token\"\n"),
+        )
     }
 
     /// The admin address of `node`.
