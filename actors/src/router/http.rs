@@ -1,26 +1,23 @@
 //! The router's HTTP API: `/v1/chat/completions`, `/v1/completions` (streaming and not),
-//! `/v1/models`, `/health`, `/ready`, `/metrics`.
+//! `/v1/models`, `/health`, `/ready`, `/metrics`. Streamed responses are built in `stream.rs`.
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_engine::chat::Message;
 use duet_engine::{FinishReason, SamplingParams};
-use futures_util::stream::{self, Stream};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::RouterShared;
 use super::generation::Generation;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
-use crate::protocol::{ServingError, TokenItem};
+use super::stream::{chat_logprobs, completion_logprobs, stream_response};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -93,7 +90,7 @@ async fn metrics() -> Response {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Api {
+pub(super) enum Api {
     Chat,
     Completion,
 }
@@ -337,7 +334,7 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn finish_str(f: Option<FinishReason>) -> Value {
+pub(super) fn finish_str(f: Option<FinishReason>) -> Value {
     match f {
         Some(FinishReason::Stop) => json!("stop"),
         Some(FinishReason::Length) => json!("length"),
@@ -449,158 +446,4 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
         }),
     };
     Json(body).into_response()
-}
-
-fn chat_logprobs(lps: &[(u32, f32, String)]) -> Value {
-    json!({"content": lps.iter().map(|(_, lp, t)| json!({
-        "token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": [],
-    })).collect::<Vec<_>>(), "refusal": null})
-}
-
-fn completion_logprobs(lps: &[(u32, f32, String)]) -> Value {
-    json!({
-        "tokens": lps.iter().map(|(_, _, t)| t.clone()).collect::<Vec<_>>(),
-        "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
-        "top_logprobs": null,
-        "text_offset": null,
-    })
-}
-
-/// A streamed response. Its headers wait for the first item: until then nothing has reached
-/// the client, so a request that fails before its first token (every attempt the router may
-/// make spent) is a plain HTTP error, and a router that dies meanwhile closes a connection
-/// with no response; both are what clients retry (the `openai` client does, by default). A
-/// 200 sent at once would leave them a stream that ends before it starts, which none retries.
-#[allow(clippy::too_many_arguments)]
-async fn stream_response(
-    mut generation: Generation,
-    api: Api,
-    id: String,
-    model: String,
-    created: u64,
-    prompt_tokens: usize,
-    logprobs: bool,
-    include_usage: bool,
-) -> Response {
-    let first = generation.next().await;
-    if let Some(Err(e)) = first {
-        return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-            .code(e.code().name())
-            .into_response();
-    }
-    struct St {
-        g: Generation,
-        /// The first item, taken before the headers went out.
-        pending: Option<Option<Result<TokenItem, ServingError>>>,
-        first: bool,
-        done: bool,
-        count: usize,
-    }
-    let chunk = move |choice: Value, usage: Value| -> Event {
-        let object = if api == Api::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let mut v = json!({"id": id, "object": object, "created": created, "model": model,
-            "system_fingerprint": null, "choices": [choice]});
-        if choice_is_empty(&v) {
-            v["choices"] = json!([]);
-        }
-        if !usage.is_null() {
-            v["usage"] = usage;
-        }
-        Event::default().data(v.to_string())
-    };
-    let events = stream::unfold(
-        St {
-            g: generation,
-            pending: Some(first),
-            first: true,
-            done: false,
-            count: 0,
-        },
-        move |mut st| {
-            let chunk = chunk.clone();
-            async move {
-                if st.done {
-                    return None;
-                }
-                let mut out: Vec<Result<Event, Infallible>> = Vec::new();
-                if st.first && api == Api::Chat {
-                    st.first = false;
-                    out.push(Ok(chunk(
-                        json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
-                        Value::Null,
-                    )));
-                }
-                let next = match st.pending.take() {
-                    Some(first) => first,
-                    None => st.g.next().await,
-                };
-                match next {
-                    Some(Ok(item)) => {
-                        if item.token.is_some() {
-                            st.count += 1;
-                        }
-                        let lp = if logprobs && item.token.is_some() {
-                            let one = [(0, item.logprob, item.text.clone())];
-                            if api == Api::Chat {
-                                chat_logprobs(&one)
-                            } else {
-                                completion_logprobs(&one)
-                            }
-                        } else {
-                            Value::Null
-                        };
-                        let choice = match api {
-                            Api::Chat => {
-                                json!({"index": 0, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": finish_str(item.finish)})
-                            }
-                            Api::Completion => {
-                                json!({"index": 0, "text": item.text, "logprobs": lp, "finish_reason": finish_str(item.finish)})
-                            }
-                        };
-                        out.push(Ok(chunk(choice, Value::Null)));
-                        if item.finish.is_some() {
-                            if include_usage {
-                                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": st.count, "total_tokens": prompt_tokens + st.count});
-                                out.push(Ok(chunk(Value::Null, usage)));
-                            }
-                            out.push(Ok(Event::default().data("[DONE]")));
-                            st.done = true;
-                        }
-                    }
-                    Some(Err(cause)) => {
-                        let err = json!({"error": {"message": cause.to_string(), "type": "server_error", "param": null, "code": cause.code().name()}});
-                        out.push(Ok(Event::default().event("error").data(err.to_string())));
-                        out.push(Ok(Event::default().data("[DONE]")));
-                        st.done = true;
-                    }
-                    None => {
-                        out.push(Ok(Event::default().data("[DONE]")));
-                        st.done = true;
-                    }
-                }
-                Some((stream::iter(out), st))
-            }
-        },
-    );
-    let flat = futures_util::StreamExt::flatten(events);
-    sse(flat)
-}
-
-fn choice_is_empty(v: &Value) -> bool {
-    v["choices"]
-        .as_array()
-        .is_some_and(|c| c.len() == 1 && c[0].is_null())
-}
-
-fn sse<S>(events: S) -> Response
-where
-    S: Stream<Item = Result<Event, Infallible>> + Send + 'static,
-{
-    Sse::new(events)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
 }

@@ -16,6 +16,7 @@ pub mod http;
 mod openai;
 pub mod policy;
 mod shared;
+mod stream;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
