@@ -135,11 +135,11 @@ impl RouterShared {
         forced: Option<&str>,
         prefer_prefill: Option<&str>,
         avoid_prefill: &[String],
-    ) -> Result<(String, Option<String>), String> {
+    ) -> Result<(String, Option<String>), RouteError> {
         if let Some(pair) = forced {
-            let (p, d) = pair.split_once(',').ok_or_else(|| {
-                format!("`{pair}` is not a pair: expected PREFILL_NODE,DECODE_NODE")
-            })?;
+            let (p, d) = pair
+                .split_once(',')
+                .ok_or_else(|| RouteError::NotAPair(pair.to_string()))?;
             return Ok((d.trim().to_string(), Some(p.trim().to_string())));
         }
         // A retry avoids the workers already tried, unless they are all there is (a restarted
@@ -147,7 +147,7 @@ impl RouterShared {
         let decode = self
             .pick(|r| r.kind == WorkerKind::Decode && !exclude.contains(&r.worker))
             .or_else(|| self.pick(|r| r.kind == WorkerKind::Decode))
-            .ok_or_else(|| "no decode worker is ready to serve".to_string())?;
+            .ok_or(RouteError::NoDecodeReady)?;
         if prompt_len < self.settings.disagg_threshold {
             metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
             return Ok((decode.worker, None));
@@ -223,10 +223,9 @@ impl RouterShared {
                 placement.prefer_prefill.as_deref(),
                 &placement.avoid_prefill,
             )
-            .map_err(|message| StartError {
-                // No worker ready; a forced pair that is not a pair is the client's error.
-                unavailable: placement.forced.is_none(),
-                message,
+            .map_err(|e| StartError {
+                unavailable: e == RouteError::NoDecodeReady,
+                message: e.to_string(),
             })?;
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
@@ -432,6 +431,17 @@ pub struct Placement {
     /// Prefill workers never to use for this request (an attempt stalled on them: the same
     /// pair would stall again). Without another, decode prefills the prompt itself.
     pub avoid_prefill: Vec<String>,
+}
+
+/// Why no worker could be chosen for an attempt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum RouteError {
+    /// The client's forced pair is not `PREFILL,DECODE` (its error: never waited for).
+    #[error("`{0}` is not a pair: expected PREFILL_NODE,DECODE_NODE")]
+    NotAPair(String),
+    /// No decode worker is ready (worth waiting for).
+    #[error("no decode worker is ready to serve")]
+    NoDecodeReady,
 }
 
 /// Why an attempt could not start.
