@@ -1,18 +1,19 @@
-//! A decode worker in the simulator, on the real [`TransferLedger`] and the real
-//! [`PageAllocator`]: pages are reserved before prefill writes (the notice names them), an
-//! attempt that ends without its writer's Done is aborted (quarantined) and its pages are freed
-//! only when the revoke of its grant is proven (no write in flight, or the writer dead: a claim
-//! the kernel dropped); a deadline only starts recovery and, past the backstop, raises the
-//! alarm. The continuous batch steps on the cost model's time.
+//! A decode worker in the simulator. Its transfers run on the real decode worker's state
+//! machine ([`Attempts`]: the ledger, the quarantine, what a Done, a failure, an
+//! acknowledgement, a lost peer or a deadline does) over the real [`PageAllocator`]: pages are
+//! reserved before prefill writes (the notice names them), an attempt that ends without its
+//! writer's Done is aborted (quarantined) and its pages are freed only when the revoke of its
+//! grant is proven (no write in flight, or the writer dead: a claim the kernel dropped); a
+//! deadline only starts recovery and, past the backstop, raises the alarm. What is the
+//! simulator's own: the message plumbing, the claim slots, and the continuous batch stepping on
+//! the cost model's time.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use duet_actors::decode::attempts::{Attempts, Done, Effect, Ended};
 use duet_actors::protocol::FailureClass;
 use duet_gpu::{PageAllocator, PageId};
-use duet_transport::{
-    AbortReason, Fence, Outcome as LedgerOutcome, Quarantine, Revocation, Settle, Side,
-    TransferLedger,
-};
+use duet_transport::{AbortReason, Fence, Quarantine, Revocation};
 
 use crate::check::Owner;
 use crate::config::SimConfig;
@@ -28,39 +29,20 @@ pub(crate) struct Slot {
 
 pub(crate) struct DecodeNode {
     alloc: PageAllocator,
-    ledger: TransferLedger,
     pub(crate) fence: BTreeMap<u64, Slot>,
     prealloc: VecDeque<(Generate, Us)>,
-    transfers: BTreeMap<(NodeId, u64), Transfer>,
-    draining: BTreeMap<u64, Drain>,
-    /// Done of a transfer whose revoke was not proven yet: (prefill, room, first token).
-    held: Vec<(NodeId, u64, u32)>,
+    /// The real decode worker's transfers, by (prefill, room): the request it carries, its
+    /// grant and, held beside it, the pages the sequence decodes into.
+    attempts: Attempts<NodeId, Generate>,
     running: BTreeMap<SeqKey, Run>,
     /// The batch of the step under way, and the prompt tokens it prefills per sequence.
     step: Option<Vec<(SeqKey, usize)>>,
     seen: BTreeSet<SeqKey>,
-    /// The real quarantine: aborted attempts freed only on a proven revoke.
-    quarantine: Quarantine,
-}
-
-struct Transfer {
-    g: Generate,
-    attempt: u64,
-    grant: Vec<PageId>,
-    extra: Vec<PageId>,
-    progress: Us,
-}
-
-/// What the simulator keeps beside the quarantine about an aborted attempt: its writer and
-/// its pages (for the checker).
-struct Drain {
-    prefill: NodeId,
-    grant: Vec<PageId>,
 }
 
 /// Decode's fence in the simulator (the claim table): a revoke marks the slot and is proven
 /// when no write holds it.
-struct SlotFence<'a>(&'a mut BTreeMap<u64, Slot>);
+pub(crate) struct SlotFence<'a>(pub(crate) &'a mut BTreeMap<u64, Slot>);
 
 impl Fence for SlotFence<'_> {
     fn revoke(&mut self, attempt: u64) -> Revocation {
@@ -85,30 +67,27 @@ struct Run {
 
 impl DecodeNode {
     pub(crate) fn new(cfg: &SimConfig) -> DecodeNode {
+        let quarantine = if cfg.mutations.release_on_backstop {
+            // The paused-writer fix reverted in the real quarantine.
+            Quarantine::with_reverted_backstop_fix(cfg.backstop_us / 1000)
+        } else {
+            Quarantine::new()
+        };
         DecodeNode {
             alloc: PageAllocator::new(cfg.decode_pages),
-            ledger: TransferLedger::new(Side::Destination),
             fence: BTreeMap::new(),
             prealloc: VecDeque::new(),
-            transfers: BTreeMap::new(),
-            draining: BTreeMap::new(),
-            held: Vec::new(),
+            attempts: Attempts::with_quarantine(quarantine),
             running: BTreeMap::new(),
             step: None,
             seen: BTreeSet::new(),
-            quarantine: if cfg.mutations.release_on_backstop {
-                // The paused-writer fix reverted in the real quarantine.
-                Quarantine::with_reverted_backstop_fix(cfg.backstop_us / 1000)
-            } else {
-                Quarantine::new()
-            },
         }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
         self.prealloc.is_empty()
-            && self.transfers.is_empty()
-            && self.draining.is_empty()
+            && self.attempts.is_empty()
+            && self.attempts.draining() == 0
             && self.running.is_empty()
     }
 
@@ -120,10 +99,10 @@ impl DecodeNode {
                  {} running)",
                 cfg.decode_pages - free,
                 cfg.decode_pages,
-                self.ledger.quarantined_pages(),
+                self.attempts.quarantined_pages(),
                 self.prealloc.len(),
-                self.transfers.len(),
-                self.draining.len(),
+                self.attempts.len(),
+                self.attempts.draining(),
                 self.running.len()
             ))
         } else {
@@ -145,6 +124,7 @@ impl World {
     }
 
     pub(crate) fn decode_message(&mut self, d: usize, from: NodeId, msg: Msg) {
+        let now_ms = self.now_ms();
         match msg {
             Msg::Generate(g) => {
                 if !self.decodes[d].seen.insert(key(&g)) {
@@ -162,30 +142,21 @@ impl World {
             }
             Msg::Cancel { req, ratt } => self.cancel(d, from, req, ratt),
             Msg::Chunk { room, attempt } => {
-                let now = self.now;
-                if let Some(t) = self.decodes[d].transfers.get_mut(&(from, room))
-                    && t.attempt == attempt
-                {
-                    t.progress = now;
-                }
+                self.decodes[d]
+                    .attempts
+                    .progress(&from, room, attempt, now_ms);
             }
             Msg::Done {
                 room,
                 attempt,
                 first,
             } => {
-                let current = self.decodes[d]
-                    .transfers
-                    .get(&(from, room))
-                    .is_some_and(|t| t.attempt == attempt);
-                if current {
-                    self.finish_transfer(d, from, room, first);
-                } else if self.decodes[d].draining.contains_key(&attempt)
-                    && self.cfg.mutations.publish_aborted
+                if self.cfg.mutations.publish_aborted
+                    && self.decodes[d].attempts.is_draining(attempt)
                 {
                     self.publish_aborted(d, attempt);
-                } else if self.decodes[d].draining.contains_key(&attempt) {
-                    self.settle(d, attempt);
+                } else {
+                    self.finish_transfer(d, from, room, attempt, first);
                 }
             }
             Msg::Failed { room, attempt } => {
@@ -199,12 +170,11 @@ impl World {
                     ));
                 }
                 let current = self.decodes[d]
-                    .transfers
-                    .get(&(from, room))
-                    .is_some_and(|t| Some(t.attempt) == attempt);
+                    .attempts
+                    .get(&from, room)
+                    .is_some_and(|o| Some(o.attempt) == attempt);
                 if current {
                     // A failure names an attempt its sender stopped running.
-                    let me = self.dnode(d);
                     let lie = self.prefill_index(from).is_some_and(|p| {
                         self.prefills[p].jobs.values().any(|j| {
                             j.decode == me
@@ -220,41 +190,32 @@ impl World {
                              still sending it"
                         ));
                     }
-                    let t = self.decodes[d]
-                        .transfers
-                        .remove(&(from, room))
-                        .expect("present");
-                    self.end_transfer(d, t, AbortReason::ProducerFailure, false);
-                } else if let Some(a) = attempt {
-                    self.settle(d, a);
+                }
+                if let Some(a) = attempt {
+                    let dn = &mut self.decodes[d];
+                    let mut fence = SlotFence(&mut dn.fence);
+                    let ended =
+                        dn.attempts
+                            .failed(&from, room, a, now_ms, &mut fence, &mut dn.alloc);
+                    if let Some(e) = ended {
+                        self.on_ended(d, e);
+                    }
                 }
             }
             Msg::AbortAck { attempt } => {
-                if self.decodes[d].draining.contains_key(&attempt) {
-                    self.settle(d, attempt);
-                }
+                let dn = &mut self.decodes[d];
+                let mut fence = SlotFence(&mut dn.fence);
+                dn.attempts
+                    .acknowledged(&from, attempt, now_ms, &mut fence, &mut dn.alloc);
             }
             Msg::PeerDown { node } => {
                 if self.prefill_index(node).is_some() {
                     // Its process is gone: nothing of it can write any more.
-                    let lost: Vec<(NodeId, u64)> = self.decodes[d]
-                        .transfers
-                        .keys()
-                        .filter(|(p, _)| *p == node)
-                        .copied()
-                        .collect();
-                    for k in lost {
-                        let t = self.decodes[d].transfers.remove(&k).expect("listed");
-                        self.end_transfer(d, t, AbortReason::ProducerFailure, false);
-                    }
-                    let draining: Vec<u64> = self.decodes[d]
-                        .draining
-                        .iter()
-                        .filter(|(_, x)| x.prefill == node)
-                        .map(|(a, _)| *a)
-                        .collect();
-                    for a in draining {
-                        self.settle(d, a);
+                    let dn = &mut self.decodes[d];
+                    let mut fence = SlotFence(&mut dn.fence);
+                    let lost = dn.attempts.lose(&node, now_ms, &mut fence, &mut dn.alloc);
+                    for e in lost {
+                        self.on_ended(d, e);
                     }
                 }
             }
@@ -263,13 +224,17 @@ impl World {
                 self.violation(format!("decode got an unexpected {other:?} from {from}"));
             }
         }
+        self.preallocate(d);
     }
 
-    /// Waiting requests get their pages, first come first served.
+    /// Waiting requests get their pages, first come first served (after the effects of the
+    /// transfers' state machine: pages it freed are known free first).
     fn preallocate(&mut self, d: usize) {
+        self.decode_effects(d);
         let ps = self.cfg.page_size;
         let me = self.dnode(d);
         let dinc = self.procs[me].inc;
+        let now_ms = self.now_ms();
         while let Some((g, _)) = self.decodes[d].prealloc.front() {
             let total = (g.prompt + g.max_tokens - g.first_index).div_ceil(ps);
             if self.decodes[d].alloc.free_pages() < total {
@@ -299,12 +264,17 @@ impl World {
             };
             let extra = pages.split_off(g.prompt.div_ceil(ps));
             let grant = pages;
-            let pname = self.procs[prefill].name.clone();
+            let room = g.room;
             let dn = &mut self.decodes[d];
-            let attempt = match dn
-                .ledger
-                .open(g.room, &pname, grant.clone(), true, &mut dn.alloc)
-            {
+            let attempt = match dn.attempts.open(
+                prefill,
+                room,
+                grant.clone(),
+                extra.clone(),
+                now_ms,
+                g,
+                &mut dn.alloc,
+            ) {
                 Ok(a) => a,
                 Err(e) => {
                     self.violation(format!("d{d}: the ledger refused a fresh room: {e}"));
@@ -317,7 +287,6 @@ impl World {
                     self.violation(e);
                 }
             }
-            let room = g.room;
             self.note(|| format!("d{d}: room {room} attempt {attempt} granted pages {grant:?}"));
             self.send(
                 me,
@@ -325,19 +294,8 @@ impl World {
                 Msg::Notice {
                     room,
                     attempt,
-                    pages: grant.clone(),
+                    pages: grant,
                     dinc,
-                },
-            );
-            let now = self.now;
-            self.decodes[d].transfers.insert(
-                (prefill, room),
-                Transfer {
-                    g,
-                    attempt,
-                    grant,
-                    extra,
-                    progress: now,
                 },
             );
         }
@@ -345,15 +303,19 @@ impl World {
 
     fn cancel(&mut self, d: usize, router: NodeId, req: u64, ratt: u64) {
         let k = (router, req, ratt);
+        let now_ms = self.now_ms();
         self.decodes[d].prealloc.retain(|(g, _)| key(g) != k);
-        let t = self.decodes[d]
-            .transfers
-            .iter()
-            .find(|(_, t)| key(&t.g) == k)
-            .map(|(k, _)| *k);
-        if let Some(tk) = t {
-            let t = self.decodes[d].transfers.remove(&tk).expect("found");
-            self.end_transfer(d, t, AbortReason::ClientCancel, true);
+        let dn = &mut self.decodes[d];
+        let mut fence = SlotFence(&mut dn.fence);
+        let ended = dn.attempts.end_where(
+            |_, o| key(&o.item) == k,
+            AbortReason::ClientCancel,
+            now_ms,
+            &mut fence,
+            &mut dn.alloc,
+        );
+        for e in ended {
+            self.on_ended(d, e);
         }
         if let Some(run) = self.decodes[d].running.remove(&k) {
             self.free_run(d, run);
@@ -376,42 +338,50 @@ impl World {
         self.preallocate(d);
     }
 
-    /// Every write landed and prefill said so: the grant is revoked (proven: no write is in
-    /// flight) before the pages are published to the batch.
-    fn finish_transfer(&mut self, d: usize, prefill: NodeId, room: u64, first: u32) {
+    /// Prefill says every write of the attempt landed: the real decode's rule decides (the
+    /// grant revoked with proof before the pages are published to the batch; a writer still
+    /// inside its claim means the transfer is never published).
+    fn finish_transfer(&mut self, d: usize, prefill: NodeId, room: u64, attempt: u64, first: u32) {
+        let now_ms = self.now_ms();
         let dn = &mut self.decodes[d];
-        let Some(t) = dn.transfers.get(&(prefill, room)) else {
-            return;
-        };
-        let attempt = t.attempt;
-        let slot = dn.fence.entry(attempt).or_default();
-        slot.revoked = true;
-        if slot.writers > 0 {
-            // Not proven: published when it is (asked again every turn).
-            dn.held.push((prefill, room, first));
-            return;
-        }
-        let t = dn.transfers.remove(&(prefill, room)).expect("present");
-        dn.fence.remove(&attempt);
-        let published = match dn.ledger.complete(attempt, &mut dn.alloc) {
-            Ok((LedgerOutcome::Applied, pages)) => pages,
-            other => {
-                self.violation(format!("d{d}: complete({attempt}) gave {other:?}"));
+        let mut fence = SlotFence(&mut dn.fence);
+        let done = dn.attempts.done(
+            &prefill,
+            room,
+            attempt,
+            now_ms,
+            &mut fence,
+            &mut dn.alloc,
+            |_| Ok::<(), ()>(()),
+        );
+        let (g, pages, held) = match done {
+            Done::Published {
+                item, pages, held, ..
+            } => (item, pages, held),
+            Done::Landing(e) | Done::Refused(e, _) => {
+                self.note(|| format!("d{d}: attempt {attempt} done while a write still lands"));
+                self.on_ended(d, e);
                 return;
             }
+            Done::Stale => return,
         };
-        let owner = Owner::Seq(t.g.req, t.g.ratt);
+        if self.decodes[d]
+            .fence
+            .get(&attempt)
+            .is_some_and(|s| s.writers == 0)
+        {
+            self.decodes[d].fence.remove(&attempt);
+        }
+        let owner = Owner::Seq(g.req, g.ratt);
         self.check
-            .pass(d, &published, Owner::Attempt(attempt), owner);
+            .pass(d, &pages[held..], Owner::Attempt(attempt), owner);
         self.note(|| format!("d{d}: room {room} attempt {attempt} published"));
-        let mut pages = t.grant;
-        pages.extend(t.extra);
         let run = Run {
-            next: t.g.first_index + 1,
-            ctx: t.g.prompt + 1,
+            next: g.first_index + 1,
+            ctx: g.prompt + 1,
             to_prefill: 0,
             pages,
-            g: t.g,
+            g,
         };
         self.emit(d, &run, run.g.first_index, first);
         if run.g.first_index + 1 >= run.g.max_tokens {
@@ -423,70 +393,62 @@ impl World {
     }
 
     /// The mutation `publish_aborted`: a Done for an attempt already aborted is taken as a
-    /// completion (the pages were given back at the abort).
+    /// completion (its pages given back as if published, while its writes may still land).
     fn publish_aborted(&mut self, d: usize, attempt: u64) {
-        let Some(x) = self.decodes[d].draining.remove(&attempt) else {
-            return;
-        };
+        /// Says every revoke is proven: the reverted fix.
+        struct Trusting;
+        impl Fence for Trusting {
+            fn revoke(&mut self, _: u64) -> Revocation {
+                Revocation::Proven
+            }
+        }
+        let now_ms = self.now_ms();
         let dn = &mut self.decodes[d];
-        dn.fence.remove(&attempt);
-        let _ = dn.ledger.drained(attempt, &mut dn.alloc);
-        self.check.pass(
-            d,
-            &x.grant,
-            Owner::Attempt(attempt),
-            Owner::Seq(u64::MAX, attempt),
-        );
+        dn.attempts
+            .settle(attempt, now_ms, &mut Trusting, &mut dn.alloc);
+        for effect in self.decodes[d].attempts.take_effects() {
+            match effect {
+                Effect::Closed {
+                    attempt: a, grant, ..
+                } if a == attempt => {
+                    self.decodes[d].fence.remove(&attempt);
+                    let phantom = Owner::Seq(u64::MAX, attempt);
+                    self.check.pass(d, &grant, Owner::Attempt(attempt), phantom);
+                }
+                other => self.decode_effect(d, other),
+            }
+        }
+        self.preallocate(d);
     }
 
-    /// Ends a transfer without its Done: aborted (pages quarantined), prefill told (`stop`),
-    /// the router told, and the pages freed when the revoke is proven.
-    fn end_transfer(&mut self, d: usize, t: Transfer, reason: AbortReason, stop: bool) {
-        let now_ms = self.now_ms();
-        let me = self.dnode(d);
-        let dn = &mut self.decodes[d];
-        let attempt = t.attempt;
-        if let Err(e) = dn.ledger.abort(attempt, reason, now_ms, &mut dn.alloc) {
-            self.violation(format!("d{d}: abort({attempt}): {e}"));
-        }
-        let dn = &mut self.decodes[d];
-        if let Err(e) = dn.alloc.release_all(&t.extra) {
-            self.violation(format!("d{d}: {e}"));
-        }
-        self.check
-            .pass(d, &t.extra, Owner::Seq(t.g.req, t.g.ratt), Owner::Free);
-        dn_held_drop(&mut self.decodes[d], t.g.room);
-        let prefill = t.g.prefill.unwrap_or(me);
-        let pname = self.procs[prefill].name.clone();
-        let dn = &mut self.decodes[d];
-        dn.quarantine.hold(attempt, &pname, t.g.room, now_ms);
-        dn.draining.insert(
+    /// A transfer ended without being published: the request's other pages are back, the
+    /// router is told (unless its client left), and the grant waits for its proof.
+    fn on_ended(&mut self, d: usize, e: Ended<Generate>) {
+        let Ended {
+            item: g,
             attempt,
-            Drain {
-                prefill,
-                grant: t.grant,
-            },
-        );
+            reason,
+            released,
+            ..
+        } = e;
+        self.check
+            .pass(d, &released, Owner::Seq(g.req, g.ratt), Owner::Free);
         self.stats.aborts += 1;
-        let room = t.g.room;
+        let room = g.room;
         self.note(|| {
             format!(
                 "d{d}: room {room} attempt {attempt} aborted ({})",
                 reason.name()
             )
         });
-        if stop {
-            self.send(me, prefill, Msg::Abort { room, attempt });
-        }
         if reason != AbortReason::ClientCancel {
             let class = if reason == AbortReason::Timeout {
                 FailureClass::Stalled
             } else {
                 FailureClass::Attempt
             };
-            self.fail_to_router(d, &t.g, class);
+            self.fail_to_router(d, &g, class);
         }
-        self.settle(d, attempt);
     }
 
     /// Tells the router its attempt failed here.
@@ -500,42 +462,53 @@ impl World {
         self.send(me, g.router, failed);
     }
 
-    /// Asks the real quarantine to settle an aborted attempt: its pages come back only when
-    /// the revoke is proven (no write between its check and its landing, or the writer dead).
-    fn settle(&mut self, d: usize, attempt: u64) -> bool {
-        let now_ms = self.now_ms();
-        let dn = &mut self.decodes[d];
-        let mut fence = SlotFence(&mut dn.fence);
-        let settled =
-            dn.quarantine
-                .settle(attempt, now_ms, &mut fence, &mut dn.ledger, &mut dn.alloc);
-        if settled != Settle::Closed {
-            return false;
+    /// Does what decode's transfer state machine asked for. Run before any page is allocated,
+    /// so that every page it freed is known free to the checker first.
+    fn decode_effects(&mut self, d: usize) {
+        for effect in self.decodes[d].attempts.take_effects() {
+            self.decode_effect(d, effect);
         }
-        if dn.fence.get(&attempt).is_some_and(|s| s.writers == 0) {
-            dn.fence.remove(&attempt);
-        }
-        let Some(x) = dn.draining.remove(&attempt) else {
-            return true;
-        };
-        let dn = &self.decodes[d];
-        let free: Vec<PageId> = x
-            .grant
-            .iter()
-            .copied()
-            .filter(|p| dn.alloc.refs(*p) == 0 && dn.alloc.pins(*p) == 0)
-            .collect();
-        self.check
-            .pass(d, &free, Owner::Attempt(attempt), Owner::Free);
-        self.note(|| format!("d{d}: attempt {attempt} drained, pages {free:?} free"));
-        self.preallocate(d);
-        true
     }
 
-    /// Deadlines (waiting, no progress), drains asked again, held transfers published.
+    fn decode_effect(&mut self, d: usize, effect: Effect<NodeId>) {
+        let me = self.dnode(d);
+        match effect {
+            Effect::StopPrefill {
+                prefill,
+                room,
+                attempt,
+            }
+            | Effect::DrainFence {
+                prefill,
+                room,
+                attempt,
+            } => self.send(me, prefill, Msg::Abort { room, attempt }),
+            Effect::Alarm { attempt, .. } => {
+                self.stats.quarantine_stalls += 1;
+                self.note(|| format!("d{d}: attempt {attempt} unproven past the backstop"));
+            }
+            Effect::Closed { attempt, grant, .. } => {
+                // Proven: no write of it can land. Its slot goes once no writer holds it.
+                let dn = &mut self.decodes[d];
+                if dn.fence.get(&attempt).is_some_and(|s| s.writers == 0) {
+                    dn.fence.remove(&attempt);
+                }
+                let free: Vec<PageId> = grant
+                    .iter()
+                    .copied()
+                    .filter(|p| dn.alloc.refs(*p) == 0 && dn.alloc.pins(*p) == 0)
+                    .collect();
+                self.check
+                    .pass(d, &free, Owner::Attempt(attempt), Owner::Free);
+                self.note(|| format!("d{d}: attempt {attempt} drained, pages {free:?} free"));
+            }
+        }
+    }
+
+    /// Deadlines (waiting, no progress), aborted attempts asked for their proof, drains asked
+    /// again, alarms.
     pub(crate) fn decode_tick(&mut self, d: usize) {
         let now = self.now;
-        let me = self.dnode(d);
         let late: Vec<Generate> = {
             let dn = &mut self.decodes[d];
             let limit = self.cfg.prealloc_timeout_us;
@@ -549,36 +522,25 @@ impl World {
         for g in late {
             self.fail_to_router(d, &g, FailureClass::Attempt);
         }
-        let stuck: Vec<(NodeId, u64)> = self.decodes[d]
-            .transfers
-            .iter()
-            .filter(|(_, t)| now.saturating_sub(t.progress) > self.cfg.transfer_timeout_us)
-            .map(|(k, _)| *k)
-            .collect();
-        for k in stuck {
-            let t = self.decodes[d].transfers.remove(&k).expect("listed");
-            self.end_transfer(d, t, AbortReason::Timeout, true);
-        }
-        for a in self.decodes[d].quarantine.attempts() {
-            self.settle(d, a);
-        }
         let now_ms = self.now_ms();
-        let backstop_ms = self.cfg.backstop_us / 1000;
-        for (a, _) in self.decodes[d].quarantine.alarms(now_ms, backstop_ms) {
-            self.stats.quarantine_stalls += 1;
-            self.note(|| format!("d{d}: attempt {a} unproven past the backstop"));
+        let (timeout_ms, fence_ms, backstop_ms) = (
+            self.cfg.transfer_timeout_us / 1000,
+            self.cfg.drain_fence_us / 1000,
+            self.cfg.backstop_us / 1000,
+        );
+        let dn = &mut self.decodes[d];
+        let mut fence = SlotFence(&mut dn.fence);
+        let stuck = dn.attempts.tend(
+            now_ms,
+            timeout_ms,
+            fence_ms,
+            backstop_ms,
+            &mut fence,
+            &mut dn.alloc,
+        );
+        for e in stuck {
+            self.on_ended(d, e);
         }
-        let fence_ms = self.cfg.drain_fence_us / 1000;
-        for (a, _, room) in self.decodes[d].quarantine.ask_again(now_ms, fence_ms) {
-            if let Some(x) = self.decodes[d].draining.get(&a) {
-                let p = x.prefill;
-                self.send(me, p, Msg::Abort { room, attempt: a });
-            }
-        }
-        for (p, room, first) in std::mem::take(&mut self.decodes[d].held) {
-            self.finish_transfer(d, p, room, first);
-        }
-        self.decodes[d].ledger.prune();
         self.preallocate(d);
     }
 
@@ -684,8 +646,4 @@ impl World {
         self.decodes[d] = DecodeNode::new(&self.cfg);
         self.check.reset(d);
     }
-}
-
-fn dn_held_drop(dn: &mut DecodeNode, room: u64) {
-    dn.held.retain(|(_, r, _)| *r != room);
 }

@@ -9,24 +9,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::Runner;
-use duet_gpu::PageId;
-use duet_transport::{AbortReason, Endpoint, Grants, Quarantine, TransferLedger};
+use duet_transport::{AbortReason, Endpoint, Grants};
 use tokio::sync::mpsc;
 
+use super::attempts::{Ack, Attempts};
 use super::{Cmd, stale};
 use crate::outbox::{Outbox, Outgoing};
 use crate::protocol::{
     FailureClass, Generate, LoadReport, PrefillPeer, ServingError, TokenItem, TransferDone,
 };
-
-/// What prefill must hear of a transfer decode ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Prefill {
-    /// Stop it (decode ended it: a cancel, a deadline, a lost peer, a restart).
-    Stop,
-    /// Nothing: prefill ended it itself (it reported a failure, or sent its done).
-    Ended,
-}
 
 /// A request waiting for pages.
 pub(super) struct Prealloc {
@@ -37,19 +28,14 @@ pub(super) struct Prealloc {
     pub(super) since: Instant,
 }
 
-/// A request whose KV is on its way.
+/// A request whose KV is on its way (what decode keeps of it beside the attempt, its pages
+/// and its progress, which [`Attempts`] holds).
+#[derive(Debug)]
 pub(super) struct Transfer {
     pub(super) seq: u64,
     pub(super) router: String,
     pub(super) generate: Generate,
     pub(super) peer: PrefillPeer,
-    pub(super) attempt: u64,
-    pub(super) prefix: Vec<PageId>,
-    pub(super) pages: Vec<PageId>,
-    pub(super) noticed: Instant,
-    /// The last sign of progress: the notice, a chunk written, or prefill's engine stepping
-    /// while it holds the attempt. The transfer deadline counts from here.
-    pub(super) progressed: Instant,
     pub(super) bytes: u64,
 }
 
@@ -78,12 +64,11 @@ pub(super) struct DecodeCore {
     /// Local sequence id -> (router, router's request id), and back.
     pub(super) owners: HashMap<u64, (String, u64)>,
     pub(super) seqs: HashMap<(String, u64), u64>,
-    pub(super) ledger: TransferLedger,
     pub(super) prealloc: VecDeque<Prealloc>,
-    /// By (prefill node, room).
-    pub(super) transfers: HashMap<(String, u64), Transfer>,
-    /// Aborted attempts whose pages are quarantined until their revoke is proven.
-    pub(super) quarantine: Quarantine,
+    /// Transfers by (prefill node, room), from notice to their end, and the aborted attempts
+    /// whose pages are quarantined until their revoke is proven (the sans-IO core the
+    /// simulator runs too).
+    pub(super) transfers: Attempts<String, Transfer>,
     /// Prefill nodes whose hello succeeded.
     pub(super) ready: HashSet<String>,
     pub(super) epoch: Instant,
@@ -165,6 +150,7 @@ impl DecodeCore {
         if !self.runner.scheduler.is_idle() {
             self.step(&mut items);
         }
+        self.apply_effects();
         self.publish_load();
         (items, std::mem::take(&mut self.sends))
     }
@@ -267,13 +253,13 @@ impl DecodeCore {
                 self.prefill_incarnations.insert(node, incarnation);
             }
             Cmd::PeerDown(node, why) => self.lose_peer(&node, &why, true, items),
-            Cmd::Chunk(node, c) => match self.transfers.get_mut(&(node, c.room)) {
-                Some(t) if t.attempt == c.attempt => {
-                    t.bytes = c.bytes;
-                    t.progressed = self.now;
+            Cmd::Chunk(node, c) => {
+                let now = self.now_ms();
+                match self.transfers.progress(&node, c.room, c.attempt, now) {
+                    Some(t) => t.bytes = c.bytes,
+                    None => stale("chunk"),
                 }
-                _ => stale("chunk"),
-            },
+            }
             Cmd::PrefillProgress {
                 node,
                 steps,
@@ -281,12 +267,8 @@ impl DecodeCore {
             } => {
                 let before = self.prefill_steps.insert(node.clone(), steps);
                 if before.is_some_and(|b| steps > b) {
-                    let now = self.now;
-                    for t in self.transfers.values_mut() {
-                        if t.peer.node == node && holding.contains(&t.attempt) {
-                            t.progressed = now;
-                        }
-                    }
+                    let now = self.now_ms();
+                    self.transfers.stepping(&node, &holding, now);
                 }
             }
             Cmd::Done(node, d) if !self.hold_done.is_zero() => {
@@ -301,16 +283,17 @@ impl DecodeCore {
                 if let Some(attempt) = f.attempt {
                     // P's writes for it have drained: abort then close at once. A failure of
                     // another attempt in the same room must not take this one with it.
-                    let key = (node.clone(), f.room);
-                    let current = self
-                        .transfers
-                        .get(&key)
-                        .is_some_and(|t| t.attempt == attempt);
-                    if let Some(t) = current.then(|| self.transfers.remove(&key)).flatten() {
-                        self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
-                        self.fail(t.seq, f.to_error(), items);
-                    } else if !self.settle(attempt) {
-                        stale("failed");
+                    let now = self.now_ms();
+                    let alloc = &mut self.runner.engine.pool.alloc;
+                    let ended =
+                        self.transfers
+                            .failed(&node, f.room, attempt, now, &mut self.grants, alloc);
+                    match ended {
+                        Some(e) => {
+                            self.ended(&e);
+                            self.fail(e.item.seq, f.to_error(), items);
+                        }
+                        None => stale("failed"),
                     }
                 } else {
                     let gone = self.take_prealloc(|p| p.peer.node == node && p.peer.room == f.room);
@@ -323,12 +306,13 @@ impl DecodeCore {
                 // Prefill says its writes drained: a reason to ask the grant again now (the
                 // revoke is the proof). Most acknowledgements come after the revoke was
                 // already proven; only one for another peer's attempt is stale.
-                match self.quarantine.get(a.attempt) {
-                    Some(h) if h.peer == node => {
-                        self.settle(a.attempt);
-                    }
-                    Some(_) => stale("abort_ack"),
-                    None => {}
+                let now = self.now_ms();
+                let alloc = &mut self.runner.engine.pool.alloc;
+                let ack =
+                    self.transfers
+                        .acknowledged(&node, a.attempt, now, &mut self.grants, alloc);
+                if ack == Ack::Stale {
+                    stale("abort_ack");
                 }
             }
             Cmd::ReceiverRestarted { tcp, carried } => {
@@ -422,7 +406,7 @@ impl DecodeCore {
                     .copied()
                     .filter(|s| {
                         !self.prealloc.iter().any(|p| p.seq == *s)
-                            && !self.transfers.values().any(|t| t.seq == *s)
+                            && !self.transfers.iter().any(|(_, t)| t.item.seq == *s)
                     })
                     .collect();
                 for seq in running {
@@ -450,6 +434,6 @@ impl DecodeCore {
         l.free_pages = stats.free;
         l.pinned_pages = stats.pinned;
         l.cached_pages = runner.cache.evictable(&runner.engine.pool.alloc);
-        l.quarantined_pages = self.ledger.quarantined_pages();
+        l.quarantined_pages = self.transfers.quarantined_pages();
     }
 }

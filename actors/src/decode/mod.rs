@@ -42,9 +42,7 @@ use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
 use duet_runtime::wire;
 use duet_transport::shm::ShmRegion;
-use duet_transport::{
-    ClaimTable, Endpoint, Grants, LocalRegistration, Quarantine, Side, TransferLedger,
-};
+use duet_transport::{ClaimTable, Endpoint, Grants, LocalRegistration};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use rand::Rng;
 use tokio::sync::mpsc;
@@ -59,6 +57,7 @@ use crate::protocol::{
 use crate::settings::ServingConfig;
 use crate::worker::{engine_options, install_drain_probe, layout_info, load_model, report_load};
 
+pub mod attempts;
 mod engine_thread;
 mod receiver;
 mod transfers;
@@ -266,10 +265,8 @@ impl Actor for DecodeWorker {
                 next_seq: 0,
                 owners: HashMap::new(),
                 seqs: HashMap::new(),
-                ledger: TransferLedger::new(Side::Destination),
                 prealloc: VecDeque::new(),
-                transfers: HashMap::new(),
-                quarantine: Quarantine::new(),
+                transfers: attempts::Attempts::new(),
                 ready: HashSet::new(),
                 epoch: Instant::now(),
                 now: Instant::now(),

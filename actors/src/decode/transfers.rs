@@ -7,11 +7,12 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use duet_engine::sampling::Sampled;
-use duet_gpu::PageId;
+use duet_gpu::{KvLayout, PageId, PoolMemory};
 use duet_runtime::metrics as m;
-use duet_transport::{AbortReason, Revocation, Settle};
+use duet_transport::AbortReason;
 
-use super::engine_thread::{DecodeCore, Prealloc, Prefill, Transfer};
+use super::attempts::{Done, Effect, Ended};
+use super::engine_thread::{DecodeCore, Prealloc, Transfer};
 use super::{receiver, stale};
 use crate::history;
 use crate::protocol::{
@@ -30,22 +31,23 @@ impl DecodeCore {
         items: &mut Vec<(String, TokenItem)>,
     ) {
         self.endpoint.tcp = tcp;
-        let keys: Vec<(String, u64)> = self
-            .transfers
-            .iter()
-            .filter(|(_, t)| carried.contains(&t.attempt))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in keys {
-            let Some(t) = self.transfers.remove(&k) else {
-                continue;
-            };
-            self.end_transfer(&t, AbortReason::ConsumerFailure, Prefill::Stop);
-            let e = "decode transfer: the KV receiver restarted (its connections closed)";
-            self.fail(t.seq, ServingError::Restart(e.into()), items);
+        let now = self.now_ms();
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let ended = self.transfers.end_where(
+            |_, o| carried.contains(&o.attempt),
+            AbortReason::ConsumerFailure,
+            now,
+            &mut self.grants,
+            alloc,
+        );
+        for e in ended {
+            self.ended(&e);
+            let why = "decode transfer: the KV receiver restarted (its connections closed)";
+            self.fail(e.item.seq, ServingError::Restart(why.into()), items);
         }
         for &attempt in carried {
-            self.settle(attempt);
+            let alloc = &mut self.runner.engine.pool.alloc;
+            self.transfers.settle(attempt, now, &mut self.grants, alloc);
         }
         tracing::warn!(
             carried = carried.len(),
@@ -69,30 +71,63 @@ impl DecodeCore {
         );
     }
 
-    /// Tells prefill to abort its side of a transfer (it drains, then acknowledges).
-    pub(super) fn abort_at_prefill(&mut self, t: &Transfer) {
-        self.send(
-            &t.peer.node,
-            BOOTSTRAP_SERVICE,
-            kinds::ABORT,
-            &Abort {
-                room: t.peer.room,
-                attempt: Some(t.attempt),
-            },
-        );
+    /// Does what the transfers' state machine asked for this turn: aborts and drain fences to
+    /// prefill, alarms, and the history of closed attempts.
+    pub(super) fn apply_effects(&mut self) {
+        for effect in self.transfers.take_effects() {
+            match effect {
+                Effect::StopPrefill {
+                    prefill,
+                    room,
+                    attempt,
+                } => {
+                    // Prefill aborts its side of the transfer (it drains, then acknowledges).
+                    let abort = Abort {
+                        room,
+                        attempt: Some(attempt),
+                    };
+                    self.send(&prefill, BOOTSTRAP_SERVICE, kinds::ABORT, &abort);
+                }
+                Effect::DrainFence {
+                    prefill,
+                    room,
+                    attempt,
+                } => {
+                    tracing::warn!(node = %prefill, room, attempt, "abort unacknowledged: drain fence");
+                    let abort = Abort {
+                        room,
+                        attempt: Some(attempt),
+                    };
+                    self.send(&prefill, BOOTSTRAP_SERVICE, kinds::DRAIN_FENCE, &abort);
+                }
+                Effect::Alarm {
+                    prefill,
+                    attempt,
+                    pages,
+                } => {
+                    tracing::error!(
+                        node = %prefill,
+                        attempt,
+                        pages,
+                        backstop = ?self.forced_drain,
+                        "a writer on {prefill} still holds an aborted transfer's claim past the \
+                         backstop: its pages stay quarantined until it finishes its copy or its \
+                         process dies"
+                    );
+                    metrics::counter!(m::QUARANTINE_STALLS, "peer" => prefill).increment(1);
+                }
+                Effect::Closed { attempt, .. } => {
+                    history::record("close", &self.node, self.incarnation, attempt, &[]);
+                }
+            }
+        }
     }
 
-    /// Removes and returns the transfers with prefill node `node`.
-    pub(super) fn take_transfers(&mut self, node: &str) -> Vec<Transfer> {
-        let keys: Vec<(String, u64)> = self
-            .transfers
-            .keys()
-            .filter(|(n, _)| n == node)
-            .cloned()
-            .collect();
-        keys.iter()
-            .filter_map(|k| self.transfers.remove(k))
-            .collect()
+    /// Counts a transfer that ended unpublished.
+    pub(super) fn ended(&self, e: &Ended<Transfer>) {
+        metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
+        metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => e.reason.name())
+            .increment(1);
     }
 
     pub(super) fn take_prealloc(&mut self, pred: impl Fn(&Prealloc) -> bool) -> VecDeque<Prealloc> {
@@ -141,6 +176,7 @@ impl DecodeCore {
         p: Prealloc,
         items: &mut Vec<(String, TokenItem)>,
     ) -> bool {
+        let now = self.now_ms();
         let ps = self.runner.engine.options().page_size;
         let prompt = &p.generate.prompt;
         let alloc = &mut self.runner.engine.pool.alloc;
@@ -202,16 +238,31 @@ impl DecodeCore {
                 return true;
             }
         };
-        let attempt = match self
-            .ledger
-            .open(p.peer.room, &p.peer.node, pages.clone(), true, alloc)
-        {
+        let (seq, peer) = (p.seq, p.peer.clone());
+        let request = p.generate.request;
+        let transfer = Transfer {
+            seq: p.seq,
+            router: p.router,
+            generate: p.generate,
+            peer: p.peer,
+            bytes: 0,
+        };
+        let opened = self.transfers.open(
+            peer.node.clone(),
+            peer.room,
+            pages.clone(),
+            prefix.clone(),
+            now,
+            transfer,
+            alloc,
+        );
+        let attempt = match opened {
             Ok(k) => k,
             Err(e) => {
                 let _ = alloc.release_all(&prefix);
                 let _ = alloc.release_all(&pages);
-                self.fail(p.seq, ServingError::Prealloc(e.to_string()), items);
-                self.drop_bootstrap_half(&p.peer);
+                self.fail(seq, ServingError::Prealloc(e.to_string()), items);
+                self.drop_bootstrap_half(&peer);
                 return true;
             }
         };
@@ -219,44 +270,29 @@ impl DecodeCore {
         let layout = *self.runner.engine.pool.layout();
         let grant = self.grants.grant(attempt, &layout, &pages);
         let notice = PreallocNotice {
-            room: p.peer.room,
+            room: peer.room,
             attempt,
             pages: pages.clone(),
             decode_prefix_len: cached,
             incarnation: self.incarnation,
             endpoint: self.endpoint.clone(),
             claim_slot: grant.slot,
-            prefill_incarnation: self.prefill_incarnations.get(&p.peer.node).copied(),
+            prefill_incarnation: self.prefill_incarnations.get(&peer.node).copied(),
         };
-        self.send(&p.peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
-        if let Some((root, phase)) = self.spans.get_mut(&p.seq) {
+        self.send(&peer.node, BOOTSTRAP_SERVICE, kinds::PREALLOC, &notice);
+        if let Some((root, phase)) = self.spans.get_mut(&seq) {
             root.record("attempt", attempt);
             *phase = tracing::info_span!(
                 parent: &*root,
                 "transfer_wait",
-                request = p.generate.request,
-                room = p.peer.room,
+                request = request,
+                room = peer.room,
                 attempt,
                 pages = need,
                 decode_prefix_len = cached
             );
             tracing::debug!(parent: &*root, pages = need, cached, "notice sent");
         }
-        self.transfers.insert(
-            (p.peer.node.clone(), p.peer.room),
-            Transfer {
-                seq: p.seq,
-                router: p.router,
-                generate: p.generate,
-                peer: p.peer,
-                attempt,
-                prefix,
-                pages,
-                noticed: self.now,
-                progressed: self.now,
-                bytes: 0,
-            },
-        );
         true
     }
 
@@ -267,66 +303,64 @@ impl DecodeCore {
         d: TransferDone,
         items: &mut Vec<(String, TokenItem)>,
     ) {
-        let key = (node, d.room);
-        let Some(t) = self.transfers.get(&key) else {
-            stale("done");
-            return; // aborted meanwhile, or a duplicate
-        };
-        if t.attempt != d.attempt {
-            stale("done");
-            return; // an old attempt's message never touches a newer one
-        }
-        let Some(t) = self.transfers.remove(&key) else {
-            return;
-        };
+        let now = self.now_ms();
+        let pool = &mut self.runner.engine.pool;
+        let (memory, layout) = (pool.memory(), *pool.layout());
+        let checksum = self.checksum;
         // Revoked first (as everywhere): no write of the attempt can land once the pages are
         // checked and change hands. Prefill fenced before its done, so no claim is held; one
         // that is means a writer still copies into these pages: never published.
-        if self.grants.revoke(t.attempt) == Revocation::Busy {
-            tracing::error!(
-                room = d.room,
-                attempt = t.attempt,
-                "a writer still holds a complete transfer's claim"
-            );
-            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
-            let e = "a write was still landing after prefill's fence";
-            self.fail(t.seq, ServingError::BadKv(e.into()), items);
-            return;
-        }
-        if self.checksum
-            && let Err(e) = self.verify(&t, &d)
-        {
-            // Corrupted or incomplete: never published. The grant is revoked, so the pages
-            // are free at once; the router retries.
-            metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
-            tracing::error!(room = d.room, attempt = t.attempt, error = %e, "KV failed its checksum");
-            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Ended);
-            self.fail(t.seq, ServingError::BadKv(e), items);
-            return;
-        }
-        let alloc = &mut self.runner.engine.pool.alloc;
-        match self.ledger.complete(t.attempt, alloc) {
-            Ok((duet_transport::Outcome::Applied, _)) => {
-                history::record("publish", &self.node, self.incarnation, t.attempt, &[]);
+        let done = self.transfers.done(
+            &node,
+            d.room,
+            d.attempt,
+            now,
+            &mut self.grants,
+            &mut pool.alloc,
+            |o| match checksum {
+                true => verify(&memory, &layout, &o.grant, &d),
+                false => Ok(()),
+            },
+        );
+        let (t, pages, held, attempt, latency_ms) = match done {
+            Done::Published {
+                item,
+                attempt,
+                pages,
+                held,
+                latency_ms,
+            } => (item, pages, held, attempt, latency_ms),
+            Done::Stale => {
+                stale("done");
+                return; // aborted meanwhile, or a duplicate
             }
-            other => {
+            Done::Landing(e) => {
                 tracing::error!(
-                    ?other,
-                    attempt = t.attempt,
-                    "a done that the ledger refused"
+                    room = d.room,
+                    attempt = e.attempt,
+                    "a writer still holds a complete transfer's claim"
                 );
+                self.ended(&e);
+                let why = "a write was still landing after prefill's fence";
+                self.fail(e.item.seq, ServingError::BadKv(why.into()), items);
                 return;
             }
-        }
-        self.ledger.prune();
-        let latency = self.now.duration_since(t.noticed).as_secs_f64();
-        metrics::histogram!(m::TRANSFER_LATENCY).record(latency);
+            Done::Refused(e, why) => {
+                // Corrupted or incomplete: never published. The grant is revoked, so the
+                // pages are free at once; the router retries.
+                metrics::counter!(m::KV_CHECKSUM_FAILURES).increment(1);
+                tracing::error!(room = d.room, attempt = e.attempt, error = %why, "KV failed its checksum");
+                self.ended(&e);
+                self.fail(e.item.seq, ServingError::BadKv(why), items);
+                return;
+            }
+        };
+        history::record("publish", &self.node, self.incarnation, attempt, &[]);
+        metrics::histogram!(m::TRANSFER_LATENCY).record(latency_ms as f64 / 1e3);
         metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "completed").increment(1);
         // What the client sees as cached: the larger of what D held and what P reused.
-        let cached =
-            (t.prefix.len() * self.runner.engine.options().page_size).max(d.prefill_cached);
-        let mut pages = t.prefix;
-        pages.extend_from_slice(&t.pages);
+        let ps = self.runner.engine.options().page_size;
+        let cached = (held * ps).max(d.prefill_cached);
         let first = Sampled {
             token: d.token,
             logprob: d.logprob,
@@ -353,7 +387,7 @@ impl DecodeCore {
                         "decoding",
                         request = t.generate.request,
                         room = t.peer.room,
-                        attempt = t.attempt,
+                        attempt,
                         local_prefill = false
                     );
                     tracing::info!(parent: &*phase, token = ev.token, kv_bytes = d.bytes, "first token");
@@ -392,76 +426,6 @@ impl DecodeCore {
         }
     }
 
-    /// Checks that prefill's checksums cover every page of the transfer and match the bytes
-    /// that landed here.
-    pub(super) fn verify(&self, t: &Transfer, d: &TransferDone) -> Result<(), String> {
-        let start = Instant::now();
-        let pool = &self.runner.engine.pool;
-        let mut covered: Vec<PageId> = d.checksums.iter().flat_map(|c| c.pages.clone()).collect();
-        covered.sort_unstable();
-        let mut want = t.pages.clone();
-        want.sort_unstable();
-        if covered != want {
-            return Err(format!(
-                "checksums cover {} of the {} pages written",
-                covered.len(),
-                want.len()
-            ));
-        }
-        for c in &d.checksums {
-            let got = duet_transport::pages_crc(&pool.memory(), pool.layout(), &c.pages)
-                .map_err(|e| e.to_string())?;
-            if got != c.crc {
-                return Err(format!(
-                    "checksum mismatch on pages {:?}: prefill sent {:#010x}, decode holds {got:#010x}",
-                    c.pages, c.crc
-                ));
-            }
-        }
-        metrics::histogram!(m::KV_VERIFY).record(start.elapsed().as_secs_f64());
-        Ok(())
-    }
-
-    /// Ends a transfer that will not complete: aborted in the ledger (never published; the
-    /// pins stay), prefill told to stop writing it (unless it reported the end itself), and
-    /// its pages freed as soon as the revoke of its grant
-    /// is proven ([`settle`](Self::settle)); until then they are quarantined.
-    pub(super) fn end_transfer(&mut self, t: &Transfer, reason: AbortReason, prefill: Prefill) {
-        let now = self.now_ms();
-        let alloc = &mut self.runner.engine.pool.alloc;
-        let _ = self.ledger.abort(t.attempt, reason, now, alloc);
-        let _ = alloc.release_all(&t.prefix);
-        metrics::counter!(m::TRANSFERS, "side" => "decode", "outcome" => "aborted").increment(1);
-        metrics::counter!(m::TRANSFER_ABORTS, "side" => "decode", "reason" => reason.name())
-            .increment(1);
-        if prefill == Prefill::Stop {
-            self.abort_at_prefill(t);
-        }
-        self.quarantine
-            .hold(t.attempt, &t.peer.node, t.peer.room, now);
-        self.settle(t.attempt);
-    }
-
-    /// Frees an aborted attempt's pages if no write of it can land any more: its grant is
-    /// revoked and no writer holds it (DESIGN rule 2; the only way pages of an aborted
-    /// attempt come back). True when it closed the attempt; false while a writer holds its
-    /// claim (asked again every turn, see [`expire`](Self::expire)), or when the attempt was
-    /// not draining.
-    pub(super) fn settle(&mut self, attempt: u64) -> bool {
-        let now = self.now_ms();
-        let settled = self.quarantine.settle(
-            attempt,
-            now,
-            &mut self.grants,
-            &mut self.ledger,
-            &mut self.runner.engine.pool.alloc,
-        );
-        if settled == Settle::Closed {
-            history::record("close", &self.node, self.incarnation, attempt, &[]);
-        }
-        settled == Settle::Closed
-    }
-
     /// Stops a request wherever it is.
     pub(super) fn abort_seq(&mut self, seq: u64, reason: AbortReason) {
         if let Some(i) = self.prealloc.iter().position(|p| p.seq == seq) {
@@ -470,13 +434,17 @@ impl DecodeCore {
             }
             return;
         }
-        let key = self
-            .transfers
-            .iter()
-            .find(|(_, t)| t.seq == seq)
-            .map(|(k, _)| k.clone());
-        if let Some(t) = key.and_then(|k| self.transfers.remove(&k)) {
-            self.end_transfer(&t, reason, Prefill::Stop);
+        let now = self.now_ms();
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let ended = self.transfers.end_where(
+            |_, o| o.item.seq == seq,
+            reason,
+            now,
+            &mut self.grants,
+            alloc,
+        );
+        if !ended.is_empty() {
+            ended.iter().for_each(|e| self.ended(e));
             return;
         }
         if let Err(e) = self.runner.abort(seq) {
@@ -503,16 +471,22 @@ impl DecodeCore {
         // incarnation (dropping it without the actor forgetting the hello stalled every later
         // request for this node until its bootstrap deadline).
         let phase = if forget_peer { "unreachable" } else { "lost" };
-        for t in self.take_transfers(node) {
-            self.end_transfer(&t, AbortReason::ProducerFailure, Prefill::Stop);
-            let e = ServingError::PeerLost {
+        let now = self.now_ms();
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let node_name = node.to_string();
+        for e in self
+            .transfers
+            .lose(&node_name, now, &mut self.grants, alloc)
+        {
+            self.ended(&e);
+            let error = ServingError::PeerLost {
                 phase: "transfer",
                 node: node.to_string(),
                 how: phase,
                 why: why.to_string(),
                 restarted: !forget_peer,
             };
-            self.fail(t.seq, e, items);
+            self.fail(e.item.seq, error, items);
         }
         for p in self.take_prealloc(|p| p.peer.node == node) {
             let e = ServingError::PeerLost {
@@ -527,60 +501,29 @@ impl DecodeCore {
         }
     }
 
-    /// Transfers past their deadline fail (and drain); quarantined attempts are asked again
-    /// (a writer that held its claim may have finished); those still unproven get a drain
-    /// fence (again each fence interval), and past the backstop an alert. Never a release.
+    /// Transfers without progress for their deadline fail (and drain); quarantined attempts
+    /// are asked again (a writer that held its claim may have finished); those still unproven
+    /// get a drain fence (again each fence interval), and past the backstop an alarm. Never a
+    /// release. Requests waiting for pages past the deadline fail.
     pub(super) fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
         let now = self.now_ms();
-        for attempt in self.quarantine.attempts() {
-            self.settle(attempt);
-        }
-        for (attempt, node) in self
-            .quarantine
-            .alarms(now, self.forced_drain.as_millis() as u64)
-        {
-            let pages = self.ledger.pages(attempt);
-            tracing::error!(
-                %node,
-                attempt,
-                pages,
-                backstop = ?self.forced_drain,
-                "a writer on {node} still holds an aborted transfer's claim past the backstop: \
-                 its pages stay quarantined until it finishes its copy or its process dies"
-            );
-            metrics::counter!(m::QUARANTINE_STALLS, "peer" => node.clone()).increment(1);
-        }
-        let fence = self.drain_fence.as_millis() as u64;
-        for (attempt, node, room) in self.quarantine.ask_again(now, fence) {
-            tracing::warn!(%node, room, attempt, "abort unacknowledged: drain fence");
-            self.send(
-                &node,
-                BOOTSTRAP_SERVICE,
-                kinds::DRAIN_FENCE,
-                &Abort {
-                    room,
-                    attempt: Some(attempt),
-                },
-            );
-        }
-        // A transfer's deadline is on progress, not on its work: a long prompt that keeps
-        // computing and writing never hits it; a stopped or wedged prefill does.
-        let late: Vec<(String, u64)> = self
-            .transfers
-            .iter()
-            .filter(|(_, t)| self.now.duration_since(t.progressed) > self.transfer_timeout)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in late {
-            if let Some(t) = self.transfers.remove(&k) {
-                self.end_transfer(&t, AbortReason::Timeout, Prefill::Stop);
-                let limit = self.transfer_timeout;
-                let e = ServingError::Stalled {
-                    limit,
-                    node: t.peer.node.clone(),
-                };
-                self.fail(t.seq, e, items);
-            }
+        let limit = self.transfer_timeout;
+        let alloc = &mut self.runner.engine.pool.alloc;
+        let late = self.transfers.tend(
+            now,
+            limit.as_millis() as u64,
+            self.drain_fence.as_millis() as u64,
+            self.forced_drain.as_millis() as u64,
+            &mut self.grants,
+            alloc,
+        );
+        for e in late {
+            self.ended(&e);
+            let error = ServingError::Stalled {
+                limit,
+                node: e.item.peer.node.clone(),
+            };
+            self.fail(e.item.seq, error, items);
         }
         let late: Vec<u64> = self
             .prealloc
@@ -590,8 +533,40 @@ impl DecodeCore {
             .collect();
         for seq in late {
             self.abort_seq(seq, AbortReason::Timeout);
-            let limit = self.transfer_timeout;
             self.fail(seq, ServingError::NoPages(limit), items);
         }
     }
+}
+
+/// Checks that prefill's checksums cover every page of the transfer and match the bytes that
+/// landed here.
+fn verify(
+    memory: &PoolMemory,
+    layout: &KvLayout,
+    grant: &[PageId],
+    d: &TransferDone,
+) -> Result<(), String> {
+    let start = Instant::now();
+    let mut covered: Vec<PageId> = d.checksums.iter().flat_map(|c| c.pages.clone()).collect();
+    covered.sort_unstable();
+    let mut want = grant.to_vec();
+    want.sort_unstable();
+    if covered != want {
+        return Err(format!(
+            "checksums cover {} of the {} pages written",
+            covered.len(),
+            want.len()
+        ));
+    }
+    for c in &d.checksums {
+        let got = duet_transport::pages_crc(memory, layout, &c.pages).map_err(|e| e.to_string())?;
+        if got != c.crc {
+            return Err(format!(
+                "checksum mismatch on pages {:?}: prefill sent {:#010x}, decode holds {got:#010x}",
+                c.pages, c.crc
+            ));
+        }
+    }
+    metrics::histogram!(m::KV_VERIFY).record(start.elapsed().as_secs_f64());
+    Ok(())
 }
