@@ -788,9 +788,12 @@ async fn duplicated_and_delayed_control_messages_change_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_transfer_path_stalled_past_the_waiting_deadline_is_retried_safely() {
     let _serial = SERIAL.lock().await;
+    // The deadline counts from the last progress, and prefill's engine stepping on the prompt
+    // is progress: the stall must outlast the prompt's compute (up to ~5 s in a debug build on
+    // a slow core; it was 8 s, which a 4.4 s prefill outlasted) plus the deadline.
     let (c, _up, http, history) = pair_cluster(
         "transfer_timeout_secs = 5\n",
-        &[("DUET_FAULT_STALL_TRANSFER_MS", "8000")],
+        &[("DUET_FAULT_STALL_TRANSFER_MS", "16000")],
     )
     .await;
     let token = c.token();

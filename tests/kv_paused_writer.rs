@@ -88,7 +88,9 @@ async fn paused_writer(kv_transport: &str, pause: Pause) {
     let hook = match pause {
         Pause::Sigstop => vec![],
         Pause::SigstopMidCopy => vec![("DUET_FAULT_STALL_MID_WRITE_MS", "8000".to_string())],
-        Pause::StallHook => vec![("DUET_FAULT_STALL_TRANSFER_MS", "12000".to_string())],
+        // Past the deadline, which counts from prefill's last step on the prompt (its ~470
+        // tokens take up to ~8 s in a debug build on a slow core; 12 s was outlasted there).
+        Pause::StallHook => vec![("DUET_FAULT_STALL_TRANSFER_MS", "20000".to_string())],
     };
     let _router = node("router", vec![]).await;
     let _d0 = node("d0", vec![]).await;

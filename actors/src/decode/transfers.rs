@@ -141,6 +141,8 @@ impl DecodeCore {
     /// Reserves pages for waiting requests, in arrival order, while the pool allows; sends
     /// each its notice. A request whose uncached part is short is prefilled here instead.
     pub(super) fn preallocate(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        // The history must record every proven close before a page is reserved again.
+        self.apply_effects();
         while let Some(p) = self.prealloc.front() {
             if !self.ready.contains(&p.peer.node) {
                 // Its hello is in flight; later requests for ready peers may still go
