@@ -69,6 +69,7 @@ pub async fn tree(config: &Path, as_json: bool) -> ExitCode {
                     root: None,
                     pid: None,
                     process_restarts: 0,
+                    device: None,
                 },
             }
         }

@@ -359,6 +359,17 @@ async fn run_node(config: &std::path::Path, name: &str, start: Start) -> ExitCod
             }
         }
     };
+    // A worker's device must open here before anything starts (a clear error naming the
+    // node and the key, never a panic or a worker restarting forever).
+    let role = me.as_ref().or(config.node(name)).map(|n| n.role);
+    if role.is_some_and(|r| r != duet_runtime::config::Role::Router) {
+        let device = duet_actors::settings::ServingConfig::for_node(&config, name)
+            .and_then(|s| s.open_device(&config));
+        if let Err(e) = device {
+            eprintln!("error: node {name}: {e}");
+            return ExitCode::from(EXIT_START_FAILED);
+        }
+    }
     // Flushes buffered spans when the node ends.
     let _telemetry = match duet_runtime::telemetry::init_node(&config.telemetry, name, "info") {
         Ok(g) => g,

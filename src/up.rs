@@ -154,6 +154,20 @@ pub async fn run(config_path: &Path) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // Every worker's device opens on this machine, or nothing starts: a `cuda:0` without a
+    // driver is a configuration error naming the node, not a node that dies and restarts.
+    for n in config
+        .nodes
+        .iter()
+        .filter(|n| n.role != duet_runtime::config::Role::Router)
+    {
+        let device = duet_actors::settings::ServingConfig::for_node(&config, &n.name)
+            .and_then(|s| s.open_device(&config));
+        if let Err(e) = device {
+            eprintln!("error: node {}: {e}", n.name);
+            return ExitCode::from(2);
+        }
+    }
     // Fetch the model once here, with a progress bar, rather than in every node at once.
     let missing_model = duet_actors::settings::ServingConfig::from_cluster(&config)
         .ok()

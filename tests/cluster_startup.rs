@@ -65,3 +65,36 @@ async fn sigterm_drains_every_node() {
         );
     }
 }
+
+/// A worker asked to run on a CUDA device this machine cannot open (no driver here; with a
+/// driver, a build without CUDA kernels) is a configuration error at start that names the node
+/// and the key, from `duet up` and from `duet node` alike: nothing starts, nothing panics.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cuda_device_that_cannot_open_fails_the_start_naming_the_node_and_key() {
+    let c = ClusterDir::tiny(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        "[serving.node.d0]\ndevice = \"cuda:0\"\n",
+    );
+    let config = path_str(&c.config);
+    let up = tokio::time::timeout(Duration::from_secs(60), duet(&["up", "--config", config]))
+        .await
+        .expect("`duet up` refuses at once");
+    assert_eq!(up.status.code(), Some(2), "{}", up.stderr);
+    assert!(!up.stdout.contains("ready"), "{}", up.stdout);
+    let node = tokio::time::timeout(
+        Duration::from_secs(60),
+        duet(&["node", "--config", config, "--name", "d0"]),
+    )
+    .await
+    .expect("`duet node` refuses at once");
+    assert!(!node.status.success());
+    for out in [&up.stderr, &node.stderr] {
+        assert!(out.contains("error: node d0:"), "{out}");
+        assert!(out.contains("`serving.node.d0.device`"), "{out}");
+        assert!(
+            out.contains("`cuda:0` cannot be used on this machine"),
+            "{out}"
+        );
+        assert!(!out.contains("panicked"), "{out}");
+    }
+}

@@ -141,7 +141,7 @@ async fn duet_up_restarts_a_node_process_that_died_within_its_intensity() {
     let text = duet(&["tree", "--config", path_str(&c.config)]).await;
     assert!(
         text.stdout
-            .contains("p0 (prefill, up, process restarted once)"),
+            .contains("p0 (prefill, up, device cpu, process restarted once)"),
         "{}",
         text.stdout
     );

@@ -27,6 +27,9 @@ async fn tree_lists_every_node_and_actor() {
             assert!(root.get(key).is_some(), "root of {node} lacks `{key}`");
         }
         let role = n["role"].as_str().unwrap_or_default();
+        // Each worker names the device it owns (the default, `cpu`); a router owns none.
+        let device = if role == "router" { None } else { Some("cpu") };
+        assert_eq!(n["device"].as_str(), device, "{n}");
         let peers: Vec<&str> = names.iter().copied().filter(|p| *p != node).collect();
         let mut expected = vec![
             format!("{node}/listener"),
@@ -46,7 +49,11 @@ async fn tree_lists_every_node_and_actor() {
 
     let text = duet(&["tree", "--config", path_str(&c.config)]).await;
     assert!(text.status.success());
-    assert!(text.stdout.contains("p0 (prefill, up)"), "{}", text.stdout);
+    assert!(
+        text.stdout.contains("p0 (prefill, up, device cpu)"),
+        "{}",
+        text.stdout
+    );
     assert!(
         text.stdout.contains("echo [echo] running   d0/decode/echo"),
         "{}",

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use duet_gpu::KvDtype;
+use duet_gpu::{Device, DeviceError, KvDtype};
 use duet_runtime::config::{ClusterConfig, ConfigError, key_at};
 use duet_transport::Backend;
 use serde::Deserialize;
@@ -62,6 +62,12 @@ pub struct ServingConfig {
     pub migration_keep: Duration,
     /// On SIGTERM, how long a node waits for its requests before it exits anyway.
     pub shutdown_drain: Duration,
+    /// Where a worker computes and keeps its KV pool (`serving.device`, per node
+    /// `serving.node.NAME.device`): `cpu` (the default) or `cuda:N`.
+    pub device: Device,
+    /// Where `device` was set: its key and its byte offset in the file (for errors that come
+    /// only when the device is opened).
+    device_at: Option<(String, usize)>,
 }
 
 /// `serving.kv_transport`.
@@ -116,6 +122,7 @@ struct RawServing {
     http_reuse_port: Option<bool>,
     migration_keep_secs: Option<Spanned<u64>>,
     shutdown_drain_secs: Option<Spanned<u64>>,
+    device: Option<Spanned<String>>,
     #[serde(default)]
     node: std::collections::BTreeMap<String, RawNodeServing>,
 }
@@ -129,6 +136,7 @@ struct RawNodeServing {
     kv_dtype: Option<Spanned<String>>,
     page_size: Option<Spanned<u64>>,
     threads: Option<Spanned<u64>>,
+    device: Option<Spanned<String>>,
 }
 
 impl ServingConfig {
@@ -227,6 +235,24 @@ impl ServingConfig {
                 }
             },
         };
+        let device = |d: &Spanned<String>, key: &str| {
+            Device::parse(d.get_ref())
+                .map(|dev| (dev, Some((key.to_string(), d.span().start))))
+                .ok_or_else(|| {
+                    err(
+                        d.span().start,
+                        Some(key),
+                        format!(
+                            "`{}` is not a device: expected \"cpu\" or \"cuda:N\" (such as \"cuda:0\")",
+                            d.get_ref()
+                        ),
+                    )
+                })
+        };
+        let (mut dev, mut device_at) = match &s.device {
+            None => (Device::Cpu, None),
+            Some(d) => device(d, "serving.device")?,
+        };
         let mut kv_pages = int(&s.kv_pages, "serving.kv_pages", 4, 1 << 20, 512)? as usize;
         let mut page_size = int(&s.page_size, "serving.page_size", 1, 1024, 16)? as usize;
         let mut threads = int(&s.threads, "serving.threads", 1, 256, 1)? as usize;
@@ -240,6 +266,7 @@ impl ServingConfig {
                     .or(o.page_size.as_ref().map(|v| v.span().start))
                     .or(o.threads.as_ref().map(|v| v.span().start))
                     .or(o.kv_dtype.as_ref().map(|v| v.span().start))
+                    .or(o.device.as_ref().map(|v| v.span().start))
                     .unwrap_or(0);
                 return Err(err(
                     at,
@@ -266,6 +293,9 @@ impl ServingConfig {
             }
             if let Some(d) = &o.kv_dtype {
                 kv_dtype = dtype(d, &key("kv_dtype"))?;
+            }
+            if let Some(d) = &o.device {
+                (dev, device_at) = device(d, &key("device"))?;
             }
         }
         Ok(ServingConfig {
@@ -354,6 +384,27 @@ impl ServingConfig {
                 3_600,
                 30,
             )?),
+            device: dev,
+            device_at,
+        })
+    }
+
+    /// Opens this node's device before its worker starts: the CPU always opens; a CUDA device
+    /// needs the driver (probed first: cudarc panics without it) and a build with CUDA
+    /// kernels. The error names the key and line that asked for it.
+    pub fn open_device(&self, c: &ClusterConfig) -> Result<Device, ConfigError> {
+        Device::open(self.device).map_err(|e: DeviceError| {
+            let (key, at) = self
+                .device_at
+                .clone()
+                .unwrap_or_else(|| ("serving.device".to_string(), 0));
+            let (line, _) = key_at(&c.source, at);
+            ConfigError {
+                file: c.path.display().to_string(),
+                line,
+                key,
+                message: format!("`{}` cannot be used on this machine: {e}", self.device),
+            }
         })
     }
 }
@@ -363,6 +414,37 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+
+    #[test]
+    fn a_device_is_cluster_wide_or_per_node_and_a_bad_one_names_its_key_and_line() {
+        let s = read("[serving]\ndevice = \"cuda:1\"\n", "p0").expect("cuda");
+        assert_eq!(s.device, Device::Cuda(1));
+        assert_eq!(read("", "p0").expect("default").device, Device::Cpu);
+        let text = "[serving]\ndevice = \"cuda:1\"\n[serving.node.p0]\ndevice = \"cpu\"\n";
+        assert_eq!(read(text, "p0").expect("p0").device, Device::Cpu);
+        assert_eq!(
+            read(text, "router").expect("router").device,
+            Device::Cuda(1)
+        );
+        let e = read("[serving]\n\ndevice = \"gpu0\"\n", "p0").expect_err("bad");
+        assert_eq!((e.key.as_str(), e.line), ("serving.device", 3));
+        assert!(e.message.contains("\"cuda:N\""), "{e}");
+        let e = read("[serving.node.p0]\ndevice = \"cuda:x\"\n", "p0").expect_err("bad");
+        assert_eq!(e.key, "serving.node.p0.device");
+    }
+
+    #[test]
+    fn a_cuda_device_this_machine_cannot_open_is_a_configuration_error_naming_the_key() {
+        let text = format!("[serving]\n[serving.node.p0]\ndevice = \"cuda:0\"\n\n{NODES}");
+        let c = ClusterConfig::parse(&text, Path::new("/x/cluster.toml")).expect("cluster");
+        let s = ServingConfig::for_node(&c, "p0").expect("p0");
+        // No driver here (CI), or a driver and no CUDA kernels in this build: refused either way.
+        let e = s.open_device(&c).expect_err("cuda:0 opened");
+        assert_eq!((e.key.as_str(), e.line), ("serving.node.p0.device", 3));
+        assert!(e.message.contains("cuda:0"), "{e}");
+        let cpu = ServingConfig::for_node(&c, "router").expect("router");
+        assert_eq!(cpu.open_device(&c), Ok(Device::Cpu));
+    }
 
     const NODES: &str = "[[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:7100\"\n\
                          [[node]]\nname = \"p0\"\nrole = \"prefill\"\naddress = \"127.0.0.1:7101\"\n";

@@ -61,6 +61,19 @@ fn load(name: &str) -> Result<(), String> {
 }
 
 impl Device {
+    /// Parses a device as `cluster.toml` and the command line name it: `cpu`, `cuda` (device
+    /// 0) or `cuda:N`.
+    pub fn parse(s: &str) -> Option<Device> {
+        match s.trim() {
+            "cpu" => Some(Device::Cpu),
+            "cuda" => Some(Device::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda),
+        }
+    }
+
     /// The device to use when asked for `wanted`: the CPU always works; a CUDA device is
     /// refused with the reason (no driver, or no CUDA kernels in this build).
     pub fn open(wanted: Device) -> Result<Device, DeviceError> {
@@ -82,6 +95,17 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_parse_as_the_config_names_them() {
+        assert_eq!(Device::parse("cpu"), Some(Device::Cpu));
+        assert_eq!(Device::parse("cuda"), Some(Device::Cuda(0)));
+        assert_eq!(Device::parse("cuda:3"), Some(Device::Cuda(3)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", ""] {
+            assert_eq!(Device::parse(bad), None, "{bad:?}");
+        }
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+    }
 
     #[test]
     fn cpu_always_opens_and_cuda_never_panics() {

@@ -10,7 +10,7 @@
 pub mod device;
 pub mod kv;
 
-pub use device::Device;
+pub use device::{Device, DeviceError};
 pub use kv::BlockView;
 pub use kv::{
     KvDtype, KvLayout, KvMemory, KvPool, PageAllocator, PageId, PoolError, PoolMemory, PoolStats,

@@ -36,6 +36,9 @@ pub struct NodeContext {
     pub roster: Roster,
     /// The root supervisor, once the tree runs (links to joined nodes start under it).
     pub root: std::sync::OnceLock<ActorRef<SupervisorMsg>>,
+    /// The device this node's worker owns for its current incarnation (`cpu`, `cuda:N`):
+    /// set when the worker starts, cleared when it stops; `duet tree` shows it.
+    pub device: std::sync::Mutex<Option<String>>,
 }
 
 impl NodeContext {

@@ -188,6 +188,7 @@ impl Node {
             drain: crate::drain::Drain::default(),
             roster: crate::roster::Roster::new(config.clone(), &me),
             root: std::sync::OnceLock::new(),
+            device: std::sync::Mutex::new(None),
             endpoint,
             credentials,
             me: me.clone(),

@@ -63,6 +63,9 @@ pub struct NodeTree {
     /// Times `duet up` restarted the node's process after it died.
     #[serde(default)]
     pub process_restarts: u32,
+    /// The device its worker owns now (`cpu`, `cuda:N`); none on a router.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// The `limit` known paths closest to `wanted` (edit distance), for "did you mean" errors.
@@ -94,8 +97,12 @@ pub fn render(nodes: &[NodeTree]) -> String {
                     1 => ", process restarted once".to_string(),
                     r => format!(", process restarted {r} times"),
                 };
+                let device = n
+                    .device
+                    .as_ref()
+                    .map_or_else(String::new, |d| format!(", device {d}"));
                 out.push_str(&format!(
-                    "{} ({}, {}{restarts})\n",
+                    "{} ({}, {}{device}{restarts})\n",
                     n.node, n.role, n.status
                 ));
                 render_actor(root, "", true, &mut out);

@@ -167,6 +167,9 @@ impl Actor for DecodeWorker {
         (ctx, receivers): (Arc<NodeContext>, Arc<ReceiverHub>),
     ) -> Result<DecodeState, ActorProcessingErr> {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
+        // The worker owns its device for this incarnation (checked at node start too).
+        let device = settings.open_device(&ctx.config)?;
+        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.to_string());
         let incarnation: u64 = rand::rng().random();
         // The pid in the name lets the next process on this host remove a pool whose owner
         // was SIGKILLed (it never unlinked it).
@@ -307,6 +310,7 @@ impl Actor for DecodeWorker {
             .ctx
             .services
             .unregister(WORKER_SERVICE, myself.get_id());
+        *state.ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(())
     }
 

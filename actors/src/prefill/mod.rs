@@ -117,6 +117,9 @@ impl Actor for PrefillWorker {
         (ctx, hub): (Arc<NodeContext>, Arc<SenderHub>),
     ) -> Result<PrefillState, ActorProcessingErr> {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
+        // The worker owns its device for this incarnation (checked at node start too).
+        let device = settings.open_device(&ctx.config)?;
+        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.to_string());
         let runner = {
             let s = settings.clone();
             let hub = hub.clone();
@@ -213,6 +216,7 @@ impl Actor for PrefillWorker {
             .ctx
             .services
             .unregister(PREFILL_SERVICE, myself.get_id());
+        *state.ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(())
     }
 

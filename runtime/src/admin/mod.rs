@@ -125,6 +125,12 @@ async fn node_tree(state: &AdminState) -> Result<NodeTree, Response> {
         root: Some(root),
         pid: Some(std::process::id()),
         process_restarts: crate::node::process_restarts(),
+        device: state
+            .ctx
+            .device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
     })
 }
 
