@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use duet_actors::decode::attempts::{Attempts, Done, Effect, Ended};
+use duet_actors::decode::attempts::{At, Attempts, Done, Effect, Ended, Limits};
 use duet_actors::protocol::FailureClass;
 use duet_gpu::{PageAllocator, PageId};
 use duet_transport::{AbortReason, Fence, Quarantine, Revocation};
@@ -29,7 +29,7 @@ pub(crate) struct Slot {
 
 pub(crate) struct DecodeNode {
     alloc: PageAllocator,
-    pub(crate) fence: BTreeMap<u64, Slot>,
+    pub(crate) fence: Slots,
     prealloc: VecDeque<(Generate, Us)>,
     /// The real decode worker's transfers, by (prefill, room): the request it carries, its
     /// grant and, held beside it, the pages the sequence decodes into.
@@ -40,11 +40,25 @@ pub(crate) struct DecodeNode {
     seen: BTreeSet<SeqKey>,
 }
 
-/// Decode's fence in the simulator (the claim table): a revoke marks the slot and is proven
-/// when no write holds it.
-pub(crate) struct SlotFence<'a>(pub(crate) &'a mut BTreeMap<u64, Slot>);
+/// Decode's fence in the simulator (the claim table), a slot per granted attempt: a revoke
+/// marks the slot and is proven when no write holds it.
+#[derive(Debug, Default)]
+pub(crate) struct Slots(BTreeMap<u64, Slot>);
 
-impl Fence for SlotFence<'_> {
+impl std::ops::Deref for Slots {
+    type Target = BTreeMap<u64, Slot>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Slots {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Fence for Slots {
     fn revoke(&mut self, attempt: u64) -> Revocation {
         let slot = self.0.entry(attempt).or_default();
         slot.revoked = true;
@@ -75,13 +89,23 @@ impl DecodeNode {
         };
         DecodeNode {
             alloc: PageAllocator::new(cfg.decode_pages),
-            fence: BTreeMap::new(),
+            fence: Slots::default(),
             prealloc: VecDeque::new(),
             attempts: Attempts::with_quarantine(quarantine),
             running: BTreeMap::new(),
             step: None,
             seen: BTreeSet::new(),
         }
+    }
+
+    /// The transfers' state machine, and what its events need: the time, the fence, the pages.
+    fn at(&mut self, now_ms: u64) -> (&mut Attempts<NodeId, Generate>, At<'_>) {
+        let at = At {
+            now_ms,
+            fence: &mut self.fence,
+            alloc: &mut self.alloc,
+        };
+        (&mut self.attempts, at)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -192,28 +216,22 @@ impl World {
                     }
                 }
                 if let Some(a) = attempt {
-                    let dn = &mut self.decodes[d];
-                    let mut fence = SlotFence(&mut dn.fence);
-                    let ended =
-                        dn.attempts
-                            .failed(&from, room, a, now_ms, &mut fence, &mut dn.alloc);
+                    let (attempts, mut at) = self.decodes[d].at(now_ms);
+                    let ended = attempts.failed(&from, room, a, &mut at);
                     if let Some(e) = ended {
                         self.on_ended(d, e);
                     }
                 }
             }
             Msg::AbortAck { attempt } => {
-                let dn = &mut self.decodes[d];
-                let mut fence = SlotFence(&mut dn.fence);
-                dn.attempts
-                    .acknowledged(&from, attempt, now_ms, &mut fence, &mut dn.alloc);
+                let (attempts, mut at) = self.decodes[d].at(now_ms);
+                attempts.acknowledged(&from, attempt, &mut at);
             }
             Msg::PeerDown { node } => {
                 if self.prefill_index(node).is_some() {
                     // Its process is gone: nothing of it can write any more.
-                    let dn = &mut self.decodes[d];
-                    let mut fence = SlotFence(&mut dn.fence);
-                    let lost = dn.attempts.lose(&node, now_ms, &mut fence, &mut dn.alloc);
+                    let (attempts, mut at) = self.decodes[d].at(now_ms);
+                    let lost = attempts.lose(&node, &mut at);
                     for e in lost {
                         self.on_ended(d, e);
                     }
@@ -267,8 +285,7 @@ impl World {
             let room = g.room;
             let dn = &mut self.decodes[d];
             let attempt = match dn.attempts.open(
-                prefill,
-                room,
+                (prefill, room),
                 grant.clone(),
                 extra.clone(),
                 now_ms,
@@ -305,15 +322,9 @@ impl World {
         let k = (router, req, ratt);
         let now_ms = self.now_ms();
         self.decodes[d].prealloc.retain(|(g, _)| key(g) != k);
-        let dn = &mut self.decodes[d];
-        let mut fence = SlotFence(&mut dn.fence);
-        let ended = dn.attempts.end_where(
-            |_, o| key(&o.item) == k,
-            AbortReason::ClientCancel,
-            now_ms,
-            &mut fence,
-            &mut dn.alloc,
-        );
+        let (attempts, mut at) = self.decodes[d].at(now_ms);
+        let ended =
+            attempts.end_where(|_, o| key(&o.item) == k, AbortReason::ClientCancel, &mut at);
         for e in ended {
             self.on_ended(d, e);
         }
@@ -343,17 +354,8 @@ impl World {
     /// inside its claim means the transfer is never published).
     fn finish_transfer(&mut self, d: usize, prefill: NodeId, room: u64, attempt: u64, first: u32) {
         let now_ms = self.now_ms();
-        let dn = &mut self.decodes[d];
-        let mut fence = SlotFence(&mut dn.fence);
-        let done = dn.attempts.done(
-            &prefill,
-            room,
-            attempt,
-            now_ms,
-            &mut fence,
-            &mut dn.alloc,
-            |_| Ok::<(), ()>(()),
-        );
+        let (attempts, mut at) = self.decodes[d].at(now_ms);
+        let done = attempts.done(&prefill, room, attempt, &mut at, |_| Ok::<(), ()>(()));
         let (g, pages, held) = match done {
             Done::Published {
                 item, pages, held, ..
@@ -404,8 +406,12 @@ impl World {
         }
         let now_ms = self.now_ms();
         let dn = &mut self.decodes[d];
-        dn.attempts
-            .settle(attempt, now_ms, &mut Trusting, &mut dn.alloc);
+        let mut at = At {
+            now_ms,
+            fence: &mut Trusting,
+            alloc: &mut dn.alloc,
+        };
+        dn.attempts.settle(attempt, &mut at);
         for effect in self.decodes[d].attempts.take_effects() {
             match effect {
                 Effect::Closed {
@@ -523,21 +529,13 @@ impl World {
             self.fail_to_router(d, &g, FailureClass::Attempt);
         }
         let now_ms = self.now_ms();
-        let (timeout_ms, fence_ms, backstop_ms) = (
-            self.cfg.transfer_timeout_us / 1000,
-            self.cfg.drain_fence_us / 1000,
-            self.cfg.backstop_us / 1000,
-        );
-        let dn = &mut self.decodes[d];
-        let mut fence = SlotFence(&mut dn.fence);
-        let stuck = dn.attempts.tend(
-            now_ms,
-            timeout_ms,
-            fence_ms,
-            backstop_ms,
-            &mut fence,
-            &mut dn.alloc,
-        );
+        let limits = Limits {
+            timeout_ms: self.cfg.transfer_timeout_us / 1000,
+            fence_ms: self.cfg.drain_fence_us / 1000,
+            backstop_ms: self.cfg.backstop_us / 1000,
+        };
+        let (attempts, mut at) = self.decodes[d].at(now_ms);
+        let stuck = attempts.tend(limits, &mut at);
         for e in stuck {
             self.on_ended(d, e);
         }

@@ -141,6 +141,28 @@ pub enum Ack {
     Unknown,
 }
 
+/// What every event of a transfer needs from decode besides the event itself: the time, the
+/// proof that no write can land, and the pages.
+pub struct At<'a> {
+    /// Now, in ms on decode's clock.
+    pub now_ms: u64,
+    /// Revokes grants: proven when no writer can land a byte of the attempt any more.
+    pub fence: &'a mut dyn Fence,
+    /// Decode's pages.
+    pub alloc: &'a mut PageAllocator,
+}
+
+/// The limits [`Attempts::tend`] applies, in ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// A transfer without progress this long ends (a deadline starts recovery).
+    pub timeout_ms: u64,
+    /// An abort unacknowledged this long is asked again.
+    pub fence_ms: u64,
+    /// An aborted attempt unproven this long raises the alarm (its pages stay quarantined).
+    pub backstop_ms: u64,
+}
+
 /// An aborted attempt waiting for its proof, beside the quarantine's record of it.
 #[derive(Debug)]
 struct Draining<P> {
@@ -185,11 +207,9 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
     /// Opens an attempt for `room`, written by `prefill` into `grant` (allocated by the caller,
     /// one reference each, which the ledger takes over); `held` are the request's other pages.
     /// The caller then grants the attempt in its fence and sends the notice.
-    #[allow(clippy::too_many_arguments)] // one call site per shell; each argument is a fact
     pub fn open(
         &mut self,
-        prefill: P,
-        room: Room,
+        (prefill, room): (P, Room),
         grant: Vec<PageId>,
         held: Vec<PageId>,
         now_ms: u64,
@@ -287,52 +307,35 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
     /// Prefill says every write of `attempt` landed. The grant is revoked first (as on every
     /// end): no write can land once the pages are checked and change hands. `check` looks at
     /// the landed KV (checksums) before it is published.
-    #[allow(clippy::too_many_arguments)] // the state, the clock, the proof, the pages, the check
     pub fn done<E>(
         &mut self,
         prefill: &P,
         room: Room,
         attempt: AttemptKey,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
+        at: &mut At<'_>,
         check: impl FnOnce(&Open<T>) -> Result<(), E>,
     ) -> Done<T, E> {
         let key = (prefill.clone(), room);
         if self.open.get(&key).is_none_or(|o| o.attempt != attempt) {
             // An old attempt's message never touches a newer one; a Done is as good a reason
             // as an acknowledgement to ask for an aborted attempt's proof again.
-            self.settle(attempt, now_ms, fence, alloc);
+            self.settle(attempt, at);
             return Done::Stale;
         }
-        if fence.revoke(attempt) == Revocation::Busy {
-            let ended = self.end_key(
-                &key,
-                AbortReason::ProducerFailure,
-                true,
-                now_ms,
-                fence,
-                alloc,
-            );
+        if at.fence.revoke(attempt) == Revocation::Busy {
+            let ended = self.end_key(&key, AbortReason::ProducerFailure, true, at);
             return ended.map_or(Done::Stale, Done::Landing);
         }
         if let Some(Err(e)) = self.open.get(&key).map(check) {
             // Corrupted or incomplete: never published. The grant is revoked, so the pages
             // are free at once.
-            let ended = self.end_key(
-                &key,
-                AbortReason::ProducerFailure,
-                false,
-                now_ms,
-                fence,
-                alloc,
-            );
+            let ended = self.end_key(&key, AbortReason::ProducerFailure, false, at);
             return ended.map_or(Done::Stale, |x| Done::Refused(x, e));
         }
         let Some(o) = self.open.remove(&key) else {
             return Done::Stale;
         };
-        match self.ledger.complete(attempt, alloc) {
+        match self.ledger.complete(attempt, at.alloc) {
             Ok((Outcome::Applied, _)) => {}
             // The ledger holds every open attempt active until it ends here: only a bug gets
             // here. Nothing is published; the pages stay where the ledger has them.
@@ -347,7 +350,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
             attempt,
             pages,
             held,
-            latency_ms: now_ms.saturating_sub(o.noticed_ms),
+            latency_ms: at.now_ms.saturating_sub(o.noticed_ms),
         }
     }
 
@@ -358,39 +361,21 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         prefill: &P,
         room: Room,
         attempt: AttemptKey,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
+        at: &mut At<'_>,
     ) -> Option<Ended<T>> {
         let key = (prefill.clone(), room);
         if self.open.get(&key).is_some_and(|o| o.attempt == attempt) {
-            return self.end_key(
-                &key,
-                AbortReason::ProducerFailure,
-                false,
-                now_ms,
-                fence,
-                alloc,
-            );
+            return self.end_key(&key, AbortReason::ProducerFailure, false, at);
         }
-        self.settle(attempt, now_ms, fence, alloc);
+        self.settle(attempt, at);
         None
     }
 
     /// Prefill acknowledged an abort: a reason to ask the grant for its proof again (the
     /// revoke is the proof, the acknowledgement only a hint).
-    pub fn acknowledged(
-        &mut self,
-        prefill: &P,
-        attempt: AttemptKey,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
-    ) -> Ack {
+    pub fn acknowledged(&mut self, prefill: &P, attempt: AttemptKey, at: &mut At<'_>) -> Ack {
         match self.draining.get(&attempt) {
-            Some(d) if d.prefill == *prefill => {
-                Ack::Asked(self.settle(attempt, now_ms, fence, alloc))
-            }
+            Some(d) if d.prefill == *prefill => Ack::Asked(self.settle(attempt, at)),
             Some(_) => Ack::Stale,
             None => Ack::Unknown,
         }
@@ -403,11 +388,9 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         prefill: &P,
         room: Room,
         reason: AbortReason,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
+        at: &mut At<'_>,
     ) -> Option<Ended<T>> {
-        self.end_key(&(prefill.clone(), room), reason, true, now_ms, fence, alloc)
+        self.end_key(&(prefill.clone(), room), reason, true, at)
     }
 
     /// Ends every transfer `which` picks, for `reason`; prefill is told to stop each.
@@ -415,9 +398,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         &mut self,
         which: impl Fn(&P, &Open<T>) -> bool,
         reason: AbortReason,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
+        at: &mut At<'_>,
     ) -> Vec<Ended<T>> {
         let keys: Vec<(P, Room)> = self
             .open
@@ -426,26 +407,14 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
             .map(|(k, _)| k.clone())
             .collect();
         keys.iter()
-            .filter_map(|k| self.end_key(k, reason, true, now_ms, fence, alloc))
+            .filter_map(|k| self.end_key(k, reason, true, at))
             .collect()
     }
 
     /// `prefill` is gone (unreachable, restarted, its process dead): its transfers end, and
     /// its aborted attempts are asked for their proof again (a dead writer's claims drop).
-    pub fn lose(
-        &mut self,
-        prefill: &P,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
-    ) -> Vec<Ended<T>> {
-        let ended = self.end_where(
-            |p, _| p == prefill,
-            AbortReason::ProducerFailure,
-            now_ms,
-            fence,
-            alloc,
-        );
+    pub fn lose(&mut self, prefill: &P, at: &mut At<'_>) -> Vec<Ended<T>> {
+        let ended = self.end_where(|p, _| p == prefill, AbortReason::ProducerFailure, at);
         let theirs: Vec<AttemptKey> = self
             .draining
             .iter()
@@ -453,7 +422,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
             .map(|(a, _)| *a)
             .collect();
         for attempt in theirs {
-            self.settle(attempt, now_ms, fence, alloc);
+            self.settle(attempt, at);
         }
         ended
     }
@@ -461,18 +430,15 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
     /// The turn's bookkeeping: every aborted attempt is asked for its proof; those still
     /// unproven get a drain fence (again each `fence_ms`) and, past `backstop_ms`, the alarm;
     /// transfers without progress for `timeout_ms` end (returned). Never a release on a timer.
-    #[allow(clippy::too_many_arguments)] // the clock, three limits, the proof, the pages
-    pub fn tend(
-        &mut self,
-        now_ms: u64,
-        timeout_ms: u64,
-        fence_ms: u64,
-        backstop_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
-    ) -> Vec<Ended<T>> {
+    pub fn tend(&mut self, limits: Limits, at: &mut At<'_>) -> Vec<Ended<T>> {
+        let Limits {
+            timeout_ms,
+            fence_ms,
+            backstop_ms,
+        } = limits;
+        let now_ms = at.now_ms;
         for attempt in self.quarantine.attempts() {
-            self.settle(attempt, now_ms, fence, alloc);
+            self.settle(attempt, at);
         }
         for (attempt, _) in self.quarantine.alarms(now_ms, backstop_ms) {
             if let Some(d) = self.draining.get(&attempt) {
@@ -497,24 +463,16 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         self.end_where(
             |_, o| now_ms.saturating_sub(o.progressed_ms) > timeout_ms,
             AbortReason::Timeout,
-            now_ms,
-            fence,
-            alloc,
+            at,
         )
     }
 
     /// Frees an aborted attempt's pages if no write of it can land any more (its revoke is
     /// proven): the only way pages of an aborted attempt come back.
-    pub fn settle(
-        &mut self,
-        attempt: AttemptKey,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
-    ) -> Settle {
-        let settled = self
-            .quarantine
-            .settle(attempt, now_ms, fence, &mut self.ledger, alloc);
+    pub fn settle(&mut self, attempt: AttemptKey, at: &mut At<'_>) -> Settle {
+        let settled =
+            self.quarantine
+                .settle(attempt, at.now_ms, at.fence, &mut self.ledger, at.alloc);
         if settled == Settle::Closed
             && let Some(d) = self.draining.remove(&attempt)
         {
@@ -535,16 +493,14 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         key: &(P, Room),
         reason: AbortReason,
         stop_prefill: bool,
-        now_ms: u64,
-        fence: &mut dyn Fence,
-        alloc: &mut PageAllocator,
+        at: &mut At<'_>,
     ) -> Option<Ended<T>> {
         let o = self.open.remove(key)?;
         let (prefill, room) = key.clone();
         // Ignored: the attempt is active (opened here, ended once), so this applies.
-        let _ = self.ledger.abort(o.attempt, reason, now_ms, alloc);
+        let _ = self.ledger.abort(o.attempt, reason, at.now_ms, at.alloc);
         // The request's own references on its other pages: they are not written by prefill.
-        let _ = alloc.release_all(&o.held);
+        let _ = at.alloc.release_all(&o.held);
         if stop_prefill {
             self.effects.push(Effect::StopPrefill {
                 prefill: prefill.clone(),
@@ -553,7 +509,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
             });
         }
         self.quarantine
-            .hold(o.attempt, &prefill.to_string(), room, now_ms);
+            .hold(o.attempt, &prefill.to_string(), room, at.now_ms);
         self.draining.insert(
             o.attempt,
             Draining {
@@ -561,7 +517,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
                 grant: o.grant.clone(),
             },
         );
-        self.settle(o.attempt, now_ms, fence, alloc);
+        self.settle(o.attempt, at);
         Some(Ended {
             item: o.item,
             attempt: o.attempt,
@@ -596,6 +552,20 @@ mod tests {
 
     type Decode = Attempts<String, &'static str>;
 
+    const LIMITS: Limits = Limits {
+        timeout_ms: 1_000,
+        fence_ms: 100,
+        backstop_ms: 5_000,
+    };
+
+    fn at<'a>(now_ms: u64, fence: &'a mut Claims, alloc: &'a mut PageAllocator) -> At<'a> {
+        At {
+            now_ms,
+            fence,
+            alloc,
+        }
+    }
+
     fn p0() -> String {
         "p0".to_string()
     }
@@ -607,7 +577,7 @@ mod tests {
         let grant = alloc.alloc(2).unwrap();
         let held = alloc.alloc(1).unwrap();
         let k = a
-            .open(p0(), 7, grant, held, 100, "req", &mut alloc)
+            .open((p0(), 7), grant, held, 100, "req", &mut alloc)
             .unwrap();
         (a, alloc, k)
     }
@@ -616,7 +586,7 @@ mod tests {
     fn a_done_publishes_only_after_a_proven_revoke_and_hands_over_every_page() {
         let (mut a, mut alloc, k) = one_open();
         let mut fence = Claims::default();
-        let done = a.done(&p0(), 7, k, 150, &mut fence, &mut alloc, |_| {
+        let done = a.done(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc), |_| {
             Ok::<(), ()>(())
         });
         let Done::Published {
@@ -641,7 +611,7 @@ mod tests {
             busy: vec![k],
             ..Claims::default()
         };
-        let done = a.done(&p0(), 7, k, 150, &mut fence, &mut alloc, |_| {
+        let done = a.done(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc), |_| {
             Ok::<(), ()>(())
         });
         assert!(matches!(done, Done::Landing(_)), "{done:?}");
@@ -660,7 +630,7 @@ mod tests {
             }]
         );
         // Long past every deadline and the backstop, still unproven: the alarm, no release.
-        let late = a.tend(1_000_000, 1_000, 100, 5_000, &mut fence, &mut alloc);
+        let late = a.tend(LIMITS, &mut at(1_000_000, &mut fence, &mut alloc));
         assert!(late.is_empty());
         assert_eq!(alloc.free_pages(), 6);
         let effects = a.take_effects();
@@ -676,7 +646,7 @@ mod tests {
         );
         // The writer finishes its copy: the next turn proves it.
         fence.busy.clear();
-        a.tend(1_000_001, 1_000, 100, 5_000, &mut fence, &mut alloc);
+        a.tend(LIMITS, &mut at(1_000_001, &mut fence, &mut alloc));
         assert_eq!(alloc.free_pages(), 8);
         assert!(matches!(a.take_effects()[..], [Effect::Closed { attempt, .. }] if attempt == k));
     }
@@ -685,7 +655,9 @@ mod tests {
     fn a_refused_check_frees_the_grant_at_once_without_telling_prefill() {
         let (mut a, mut alloc, k) = one_open();
         let mut fence = Claims::default();
-        let done = a.done(&p0(), 7, k, 150, &mut fence, &mut alloc, |_| Err("crc"));
+        let done = a.done(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc), |_| {
+            Err("crc")
+        });
         assert!(matches!(done, Done::Refused(_, "crc")), "{done:?}");
         assert_eq!(alloc.free_pages(), 8);
         let effects = a.take_effects();
@@ -700,12 +672,12 @@ mod tests {
         let (mut a, mut alloc, k) = one_open();
         let mut fence = Claims::default();
         let old = k + 100;
-        let done = a.done(&p0(), 7, old, 150, &mut fence, &mut alloc, |_| {
+        let done = a.done(&p0(), 7, old, &mut at(150, &mut fence, &mut alloc), |_| {
             Ok::<(), ()>(())
         });
         assert!(matches!(done, Done::Stale));
         assert!(
-            a.failed(&p0(), 7, old, 150, &mut fence, &mut alloc)
+            a.failed(&p0(), 7, old, &mut at(150, &mut fence, &mut alloc))
                 .is_none()
         );
         assert!(a.progress(&p0(), 7, old, 150).is_none());
@@ -718,7 +690,9 @@ mod tests {
     fn a_failure_reported_by_prefill_ends_the_attempt_without_an_abort_back() {
         let (mut a, mut alloc, k) = one_open();
         let mut fence = Claims::default();
-        let ended = a.failed(&p0(), 7, k, 150, &mut fence, &mut alloc).unwrap();
+        let ended = a
+            .failed(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc))
+            .unwrap();
         assert_eq!(
             (ended.item, ended.reason),
             ("req", AbortReason::ProducerFailure)
@@ -741,10 +715,10 @@ mod tests {
         a.progress(&p0(), 7, k, 900);
         a.stepping(&p0(), &[k], 1_500);
         assert!(
-            a.tend(2_400, 1_000, 100, 5_000, &mut fence, &mut alloc)
+            a.tend(LIMITS, &mut at(2_400, &mut fence, &mut alloc))
                 .is_empty()
         );
-        let late = a.tend(2_600, 1_000, 100, 5_000, &mut fence, &mut alloc);
+        let late = a.tend(LIMITS, &mut at(2_600, &mut fence, &mut alloc));
         assert_eq!(late.len(), 1);
         assert_eq!(late[0].reason, AbortReason::Timeout);
         assert_eq!(
@@ -755,7 +729,7 @@ mod tests {
         // Its writer dies: the claim drops, the proof comes with the next look.
         fence.busy.clear();
         assert_eq!(
-            a.acknowledged(&"p1".to_string(), k, 2_700, &mut fence, &mut alloc),
+            a.acknowledged(&"p1".to_string(), k, &mut at(2_700, &mut fence, &mut alloc)),
             Ack::Stale
         );
         assert_eq!(
@@ -763,7 +737,10 @@ mod tests {
             6,
             "another writer's acknowledgement proves nothing"
         );
-        assert!(a.lose(&p0(), 2_800, &mut fence, &mut alloc).is_empty());
+        assert!(
+            a.lose(&p0(), &mut at(2_800, &mut fence, &mut alloc))
+                .is_empty()
+        );
         assert_eq!(alloc.free_pages(), 8);
         assert_eq!(a.draining(), 0);
     }
@@ -773,10 +750,10 @@ mod tests {
         let (mut a, mut alloc, k) = one_open();
         let g = alloc.alloc(2).unwrap();
         let other = a
-            .open("p1".into(), 8, g, vec![], 100, "other", &mut alloc)
+            .open(("p1".into(), 8), g, vec![], 100, "other", &mut alloc)
             .unwrap();
         let mut fence = Claims::default();
-        let ended = a.lose(&p0(), 200, &mut fence, &mut alloc);
+        let ended = a.lose(&p0(), &mut at(200, &mut fence, &mut alloc));
         assert_eq!(ended.iter().map(|e| e.attempt).collect::<Vec<_>>(), vec![k]);
         assert_eq!(a.get(&"p1".to_string(), 8).map(|o| o.attempt), Some(other));
         assert_eq!(alloc.free_pages(), 6);

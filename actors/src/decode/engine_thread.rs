@@ -283,11 +283,8 @@ impl DecodeCore {
                 if let Some(attempt) = f.attempt {
                     // P's writes for it have drained: abort then close at once. A failure of
                     // another attempt in the same room must not take this one with it.
-                    let now = self.now_ms();
-                    let alloc = &mut self.runner.engine.pool.alloc;
-                    let ended =
-                        self.transfers
-                            .failed(&node, f.room, attempt, now, &mut self.grants, alloc);
+                    let (transfers, mut at) = self.attempts();
+                    let ended = transfers.failed(&node, f.room, attempt, &mut at);
                     match ended {
                         Some(e) => {
                             self.ended(&e);
@@ -306,11 +303,8 @@ impl DecodeCore {
                 // Prefill says its writes drained: a reason to ask the grant again now (the
                 // revoke is the proof). Most acknowledgements come after the revoke was
                 // already proven; only one for another peer's attempt is stale.
-                let now = self.now_ms();
-                let alloc = &mut self.runner.engine.pool.alloc;
-                let ack =
-                    self.transfers
-                        .acknowledged(&node, a.attempt, now, &mut self.grants, alloc);
+                let (transfers, mut at) = self.attempts();
+                let ack = transfers.acknowledged(&node, a.attempt, &mut at);
                 if ack == Ack::Stale {
                     stale("abort_ack");
                 }

@@ -11,7 +11,7 @@ use duet_gpu::{KvLayout, PageId, PoolMemory};
 use duet_runtime::metrics as m;
 use duet_transport::AbortReason;
 
-use super::attempts::{Done, Effect, Ended};
+use super::attempts::{At, Attempts, Done, Effect, Ended, Limits};
 use super::engine_thread::{DecodeCore, Prealloc, Transfer};
 use super::{receiver, stale};
 use crate::history;
@@ -31,14 +31,11 @@ impl DecodeCore {
         items: &mut Vec<(String, TokenItem)>,
     ) {
         self.endpoint.tcp = tcp;
-        let now = self.now_ms();
-        let alloc = &mut self.runner.engine.pool.alloc;
-        let ended = self.transfers.end_where(
+        let (transfers, mut at) = self.attempts();
+        let ended = transfers.end_where(
             |_, o| carried.contains(&o.attempt),
             AbortReason::ConsumerFailure,
-            now,
-            &mut self.grants,
-            alloc,
+            &mut at,
         );
         for e in ended {
             self.ended(&e);
@@ -46,8 +43,8 @@ impl DecodeCore {
             self.fail(e.item.seq, ServingError::Restart(why.into()), items);
         }
         for &attempt in carried {
-            let alloc = &mut self.runner.engine.pool.alloc;
-            self.transfers.settle(attempt, now, &mut self.grants, alloc);
+            let (transfers, mut at) = self.attempts();
+            transfers.settle(attempt, &mut at);
         }
         tracing::warn!(
             carried = carried.len(),
@@ -69,6 +66,18 @@ impl DecodeCore {
                 attempt: None,
             },
         );
+    }
+
+    /// The transfers' state machine, and what its events need from this thread: the turn's
+    /// time, the grants (the proof), the pool's pages.
+    pub(super) fn attempts(&mut self) -> (&mut Attempts<String, Transfer>, At<'_>) {
+        let now_ms = self.now_ms();
+        let at = At {
+            now_ms,
+            fence: &mut self.grants,
+            alloc: &mut self.runner.engine.pool.alloc,
+        };
+        (&mut self.transfers, at)
     }
 
     /// Does what the transfers' state machine asked for this turn: aborts and drain fences to
@@ -250,8 +259,7 @@ impl DecodeCore {
             bytes: 0,
         };
         let opened = self.transfers.open(
-            peer.node.clone(),
-            peer.room,
+            (peer.node.clone(), peer.room),
             pages.clone(),
             prefix.clone(),
             now,
@@ -316,9 +324,11 @@ impl DecodeCore {
             &node,
             d.room,
             d.attempt,
-            now,
-            &mut self.grants,
-            &mut pool.alloc,
+            &mut At {
+                now_ms: now,
+                fence: &mut self.grants,
+                alloc: &mut pool.alloc,
+            },
             |o| match checksum {
                 true => verify(&memory, &layout, &o.grant, &d),
                 false => Ok(()),
@@ -436,15 +446,8 @@ impl DecodeCore {
             }
             return;
         }
-        let now = self.now_ms();
-        let alloc = &mut self.runner.engine.pool.alloc;
-        let ended = self.transfers.end_where(
-            |_, o| o.item.seq == seq,
-            reason,
-            now,
-            &mut self.grants,
-            alloc,
-        );
+        let (transfers, mut at) = self.attempts();
+        let ended = transfers.end_where(|_, o| o.item.seq == seq, reason, &mut at);
         if !ended.is_empty() {
             ended.iter().for_each(|e| self.ended(e));
             return;
@@ -473,13 +476,9 @@ impl DecodeCore {
         // incarnation (dropping it without the actor forgetting the hello stalled every later
         // request for this node until its bootstrap deadline).
         let phase = if forget_peer { "unreachable" } else { "lost" };
-        let now = self.now_ms();
-        let alloc = &mut self.runner.engine.pool.alloc;
         let node_name = node.to_string();
-        for e in self
-            .transfers
-            .lose(&node_name, now, &mut self.grants, alloc)
-        {
+        let (transfers, mut at) = self.attempts();
+        for e in transfers.lose(&node_name, &mut at) {
             self.ended(&e);
             let error = ServingError::PeerLost {
                 phase: "transfer",
@@ -508,17 +507,14 @@ impl DecodeCore {
     /// get a drain fence (again each fence interval), and past the backstop an alarm. Never a
     /// release. Requests waiting for pages past the deadline fail.
     pub(super) fn expire(&mut self, items: &mut Vec<(String, TokenItem)>) {
-        let now = self.now_ms();
         let limit = self.transfer_timeout;
-        let alloc = &mut self.runner.engine.pool.alloc;
-        let late = self.transfers.tend(
-            now,
-            limit.as_millis() as u64,
-            self.drain_fence.as_millis() as u64,
-            self.forced_drain.as_millis() as u64,
-            &mut self.grants,
-            alloc,
-        );
+        let limits = Limits {
+            timeout_ms: limit.as_millis() as u64,
+            fence_ms: self.drain_fence.as_millis() as u64,
+            backstop_ms: self.forced_drain.as_millis() as u64,
+        };
+        let (transfers, mut at) = self.attempts();
+        let late = transfers.tend(limits, &mut at);
         for e in late {
             self.ended(&e);
             let error = ServingError::Stalled {
