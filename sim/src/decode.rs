@@ -17,15 +17,8 @@ use duet_transport::{AbortReason, Fence, Quarantine, Revocation};
 
 use crate::check::Owner;
 use crate::config::SimConfig;
+use crate::slots::{Slot, Slots};
 use crate::world::{Ev, Generate, Msg, NodeId, Token, Us, World, stream_token};
-
-/// A grant's slot in decode's fence (the claim table): revoked by decode, held by each write
-/// between its check and its landing.
-#[derive(Debug, Default)]
-pub(crate) struct Slot {
-    pub(crate) revoked: bool,
-    pub(crate) writers: u32,
-}
 
 pub(crate) struct DecodeNode {
     alloc: PageAllocator,
@@ -38,36 +31,6 @@ pub(crate) struct DecodeNode {
     /// The batch of the step under way, and the prompt tokens it prefills per sequence.
     step: Option<Vec<(SeqKey, usize)>>,
     seen: BTreeSet<SeqKey>,
-}
-
-/// Decode's fence in the simulator (the claim table), a slot per granted attempt: a revoke
-/// marks the slot and is proven when no write holds it.
-#[derive(Debug, Default)]
-pub(crate) struct Slots(BTreeMap<u64, Slot>);
-
-impl std::ops::Deref for Slots {
-    type Target = BTreeMap<u64, Slot>;
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Slots {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.0
-    }
-}
-
-impl Fence for Slots {
-    fn revoke(&mut self, attempt: u64) -> Revocation {
-        let slot = self.0.entry(attempt).or_default();
-        slot.revoked = true;
-        if slot.writers == 0 {
-            Revocation::Proven
-        } else {
-            Revocation::Busy
-        }
-    }
 }
 
 struct Run {

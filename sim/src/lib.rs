@@ -33,6 +33,7 @@ pub mod planner;
 mod prefill;
 pub mod rng;
 mod router;
+mod slots;
 pub mod stats;
 pub mod world;
 

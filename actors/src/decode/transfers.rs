@@ -89,25 +89,14 @@ impl DecodeCore {
                     prefill,
                     room,
                     attempt,
-                } => {
-                    // Prefill aborts its side of the transfer (it drains, then acknowledges).
-                    let abort = Abort {
-                        room,
-                        attempt: Some(attempt),
-                    };
-                    self.send(&prefill, BOOTSTRAP_SERVICE, kinds::ABORT, &abort);
-                }
+                } => self.abort_at_prefill(&prefill, room, attempt, kinds::ABORT),
                 Effect::DrainFence {
                     prefill,
                     room,
                     attempt,
                 } => {
                     tracing::warn!(node = %prefill, room, attempt, "abort unacknowledged: drain fence");
-                    let abort = Abort {
-                        room,
-                        attempt: Some(attempt),
-                    };
-                    self.send(&prefill, BOOTSTRAP_SERVICE, kinds::DRAIN_FENCE, &abort);
+                    self.abort_at_prefill(&prefill, room, attempt, kinds::DRAIN_FENCE);
                 }
                 Effect::Alarm {
                     prefill,
@@ -130,6 +119,16 @@ impl DecodeCore {
                 }
             }
         }
+    }
+
+    /// Tells prefill to abort its side of a transfer (`kind`: the abort, or a drain fence that
+    /// asks again); it drains, then acknowledges.
+    fn abort_at_prefill(&mut self, prefill: &str, room: u64, attempt: u64, kind: &'static str) {
+        let abort = Abort {
+            room,
+            attempt: Some(attempt),
+        };
+        self.send(prefill, BOOTSTRAP_SERVICE, kind, &abort);
     }
 
     /// Counts a transfer that ended unpublished.
