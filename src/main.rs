@@ -160,6 +160,13 @@ enum Command {
     Sim(sim::SimArgs),
     /// Load a running cluster while killing a random serving actor at an interval; report.
     Chaos(chaos::ChaosArgs),
+    /// Check this build's CUDA parts on a real GPU against the CPU (what tools/gpu-check.sh
+    /// runs): the context's lifecycle, the KV pool in device memory, staging, every kernel.
+    GpuCheck {
+        /// The CUDA device's ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
     /// Write a tiny random-weight GGUF of the same architecture (for fast tests).
     TinyModel {
         /// Output file.
@@ -181,6 +188,7 @@ fn main() -> ExitCode {
         Command::FetchModel { out, verify } => return generate::fetch_model(out, verify),
         Command::Generate(args) => return generate::generate(args),
         Command::TinyModel { out, seed } => return generate::tiny_model(&out, seed),
+        Command::GpuCheck { device } => return gpu_check(device),
         _ => {}
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -239,9 +247,28 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Bench(args) => bench::run(args).await,
         Command::Sim(args) => sim::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
-        Command::FetchModel { .. } | Command::Generate(_) | Command::TinyModel { .. } => {
-            ExitCode::SUCCESS
+        Command::FetchModel { .. }
+        | Command::Generate(_)
+        | Command::TinyModel { .. }
+        | Command::GpuCheck { .. } => ExitCode::SUCCESS,
+    }
+}
+
+/// `duet gpu-check`: prints each check as it passes; exit 1 at the first error (no GPU, no
+/// driver, a failed kernel), exit 3 when a check ran but its result differs from the CPU's.
+fn gpu_check(device: usize) -> ExitCode {
+    let mut differs = false;
+    let r = duet_gpu::cuda::check::run(device, &mut |line| {
+        differs |= line.contains("DIFFERENT") || line.contains("LEAK");
+        println!("{line}");
+    });
+    match r {
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
         }
+        Ok(()) if differs => ExitCode::from(3),
+        Ok(()) => ExitCode::SUCCESS,
     }
 }
 

@@ -27,9 +27,45 @@ pub enum DeviceError {
     /// No CUDA driver library on this machine.
     #[error("CUDA is not available: {0}")]
     NoCuda(String),
-    /// CUDA is present but this build has no CUDA kernels for the engine.
+    /// The device exists and opens, but the engine does not run on it yet.
     #[error("{0} is present, but this build of Duet runs the engine on the CPU only")]
     Unsupported(Device),
+    /// The driver has fewer devices than the ordinal asked for.
+    #[error("there is no cuda:{ordinal}: this machine has {count} CUDA device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: usize,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    /// A byte range outside an allocation.
+    #[error("bytes {range:?} are outside an allocation of {len} bytes")]
+    OutOfRange {
+        /// The range asked for.
+        range: std::ops::Range<usize>,
+        /// The allocation's bytes.
+        len: usize,
+    },
+    /// The KV pool's shape is unusable.
+    #[error(transparent)]
+    Pool(#[from] crate::kv::PoolError),
+    /// NVRTC, the runtime compiler the kernels need, is missing.
+    #[error("{0}")]
+    NoNvrtc(String),
+    /// The kernels did not compile (NVRTC's log).
+    #[error("the CUDA kernels did not compile:\n{0}")]
+    Compile(String),
+}
+
+impl DeviceError {
+    /// Whether retrying can help: a driver error may be transient (another process held the
+    /// device); a missing driver, device or compiler, or a bad shape, stays so.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, DeviceError::Driver(_))
+    }
 }
 
 /// Names the CUDA driver library goes by on Linux.
@@ -79,8 +115,10 @@ impl Device {
     pub fn open(wanted: Device) -> Result<Device, DeviceError> {
         match wanted {
             Device::Cpu => Ok(Device::Cpu),
-            Device::Cuda(_) => {
-                cuda_driver_present()?;
+            Device::Cuda(ordinal) => {
+                // The driver and the ordinal are checked without creating a context: only
+                // the worker that owns the device opens one (crate::context).
+                crate::cuda::check_ordinal(ordinal)?;
                 Err(DeviceError::Unsupported(wanted))
             }
         }

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use duet_engine::{Engine, Runner};
 use duet_gpu::KvPool;
+use duet_gpu::{Devices, WorkerContext};
 use duet_runtime::context::NodeContext;
 use duet_runtime::link::LinkError;
 use duet_runtime::membership::MembershipEvent;
@@ -129,6 +130,9 @@ enum Cmd {
 /// The running worker. Dropping it stops the engine thread, the receiver and the tasks.
 pub struct DecodeState {
     ctx: Arc<NodeContext>,
+    /// The compute context this incarnation owns: opened in pre_start, drained and dropped in
+    /// post_stop, so a restart really rebuilds it (gpu::context).
+    device: WorkerContext,
     incarnation: u64,
     layout: LayoutInfo,
     cmds: std_mpsc::Sender<Cmd>,
@@ -169,7 +173,8 @@ impl Actor for DecodeWorker {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         // The worker owns its device for this incarnation (checked at node start too).
         let device = settings.open_device(&ctx.config)?;
-        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.to_string());
+        let device = WorkerContext::open(&Devices, device)?;
+        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.device().to_string());
         let incarnation: u64 = rand::rng().random();
         // The pid in the name lets the next process on this host remove a pool whose owner
         // was SIGKILLed (it never unlinked it).
@@ -289,6 +294,7 @@ impl Actor for DecodeWorker {
             .subscribe(myself, |e| Some(DecodeMsg::Membership(e)));
         tracing::info!(%node, incarnation, model = %settings.model.display(), "decode worker ready");
         Ok(DecodeState {
+            device,
             ctx,
             incarnation,
             layout,
@@ -311,6 +317,10 @@ impl Actor for DecodeWorker {
             .services
             .unregister(WORKER_SERVICE, myself.get_id());
         *state.ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        // Last: nothing of this incarnation computes in the context once it is closed.
+        if let Err(e) = state.device.close() {
+            tracing::warn!(error = %e, "the worker's device context did not drain before it was dropped");
+        }
         Ok(())
     }
 

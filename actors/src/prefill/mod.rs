@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::{Engine, Runner};
+use duet_gpu::{Devices, WorkerContext};
 use duet_runtime::config::Role;
 use duet_runtime::context::NodeContext;
 use duet_runtime::services::Inbound;
@@ -86,6 +87,9 @@ enum Cmd {
 /// jobs, and the next incarnation joins it before announcing itself to decode workers.
 pub struct PrefillState {
     ctx: Arc<NodeContext>,
+    /// The compute context this incarnation owns: opened in pre_start, drained and dropped in
+    /// post_stop, so a restart really rebuilds it (gpu::context).
+    device: WorkerContext,
     incarnation: u64,
     layout: LayoutInfo,
     cmds: std_mpsc::Sender<Cmd>,
@@ -119,7 +123,8 @@ impl Actor for PrefillWorker {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         // The worker owns its device for this incarnation (checked at node start too).
         let device = settings.open_device(&ctx.config)?;
-        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.to_string());
+        let device = WorkerContext::open(&Devices, device)?;
+        *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.device().to_string());
         let runner = {
             let s = settings.clone();
             let hub = hub.clone();
@@ -197,6 +202,7 @@ impl Actor for PrefillWorker {
         ctx.services.register(PREFILL_SERVICE, myself);
         tracing::info!(%node, incarnation, "prefill worker ready");
         Ok(PrefillState {
+            device,
             ctx,
             incarnation,
             layout,
@@ -217,6 +223,10 @@ impl Actor for PrefillWorker {
             .services
             .unregister(PREFILL_SERVICE, myself.get_id());
         *state.ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        // Last: nothing of this incarnation computes in the context once it is closed.
+        if let Err(e) = state.device.close() {
+            tracing::warn!(error = %e, "the worker's device context did not drain before it was dropped");
+        }
         Ok(())
     }
 
