@@ -391,7 +391,7 @@ async fn run_node(config: &std::path::Path, name: &str, start: Start) -> ExitCod
     let role = me.as_ref().or(config.node(name)).map(|n| n.role);
     if role.is_some_and(|r| r != duet_runtime::config::Role::Router) {
         let device = duet_actors::settings::ServingConfig::for_node(&config, name)
-            .and_then(|s| s.open_device(&config));
+            .and_then(|s| s.check_start(&config));
         if let Err(e) = device {
             eprintln!("error: node {name}: {e}");
             return ExitCode::from(EXIT_START_FAILED);

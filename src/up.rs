@@ -154,15 +154,16 @@ pub async fn run(config_path: &Path) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    // Every worker's device opens on this machine, or nothing starts: a `cuda:0` without a
-    // driver is a configuration error naming the node, not a node that dies and restarts.
+    // Every worker's device and KV transport open on this machine, or nothing starts: a
+    // `cuda:0` without a driver, or `rdma` without a device, is a configuration error naming
+    // the node, not a node that dies and restarts.
     for n in config
         .nodes
         .iter()
         .filter(|n| n.role != duet_runtime::config::Role::Router)
     {
         let device = duet_actors::settings::ServingConfig::for_node(&config, &n.name)
-            .and_then(|s| s.open_device(&config));
+            .and_then(|s| s.check_start(&config));
         if let Err(e) = device {
             eprintln!("error: node {}: {e}", n.name);
             return ExitCode::from(2);

@@ -66,6 +66,39 @@ async fn sigterm_drains_every_node() {
     }
 }
 
+/// `kv_transport = "rdma"` on a machine without an RDMA device (or a build without verbs) is
+/// a configuration error at start naming the node and the key, as a CUDA device is.
+#[tokio::test(flavor = "multi_thread")]
+async fn rdma_without_a_device_fails_the_start_naming_the_node_and_key() {
+    let c = ClusterDir::tiny(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        "kv_transport = \"rdma\"\n",
+    );
+    let config = path_str(&c.config);
+    let up = tokio::time::timeout(Duration::from_secs(60), duet(&["up", "--config", config]))
+        .await
+        .expect("`duet up` refuses at once");
+    assert_eq!(up.status.code(), Some(2), "{}", up.stderr);
+    assert!(!up.stdout.contains("ready"), "{}", up.stdout);
+    let node = tokio::time::timeout(
+        Duration::from_secs(60),
+        duet(&["node", "--config", config, "--name", "p0"]),
+    )
+    .await
+    .expect("`duet node` refuses at once");
+    assert!(!node.status.success());
+    for out in [&up.stderr, &node.stderr] {
+        assert!(out.contains("error: node p0:"), "{out}");
+        assert!(out.contains("`serving.kv_transport`"), "{out}");
+        // The default build has no verbs; a build with them, on this machine, no device.
+        assert!(
+            out.contains("--features rdma") || out.contains("no RDMA device"),
+            "{out}"
+        );
+        assert!(!out.contains("panicked"), "{out}");
+    }
+}
+
 /// A worker asked to run on a CUDA device this machine cannot open (no driver here; with a
 /// driver, a build without CUDA kernels) is a configuration error at start that names the node
 /// and the key, from `duet up` and from `duet node` alike: nothing starts, nothing panics.

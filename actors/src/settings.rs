@@ -8,6 +8,7 @@ use std::time::Duration;
 use duet_gpu::{Device, DeviceError, KvDtype};
 use duet_runtime::config::{ClusterConfig, ConfigError, key_at};
 use duet_transport::Backend;
+use duet_transport::rdma::{self, RdmaConfig, RdmaPort};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -68,6 +69,11 @@ pub struct ServingConfig {
     /// Where `device` was set: its key and its byte offset in the file (for errors that come
     /// only when the device is opened).
     device_at: Option<(String, usize)>,
+    /// The RDMA device, port, GID index and MTU (`serving.rdma_*`, per node too).
+    pub rdma: RdmaConfig,
+    /// Where `kv_transport` (or `rdma_device`) was set: key and byte offset, for the error when
+    /// the RDMA device cannot be opened.
+    rdma_at: (String, usize),
 }
 
 /// `serving.kv_transport`.
@@ -123,6 +129,10 @@ struct RawServing {
     migration_keep_secs: Option<Spanned<u64>>,
     shutdown_drain_secs: Option<Spanned<u64>>,
     device: Option<Spanned<String>>,
+    rdma_device: Option<Spanned<String>>,
+    rdma_port: Option<Spanned<u64>>,
+    rdma_gid_index: Option<Spanned<u64>>,
+    rdma_mtu: Option<Spanned<u64>>,
     #[serde(default)]
     node: std::collections::BTreeMap<String, RawNodeServing>,
 }
@@ -137,6 +147,8 @@ struct RawNodeServing {
     page_size: Option<Spanned<u64>>,
     threads: Option<Spanned<u64>>,
     device: Option<Spanned<String>>,
+    rdma_device: Option<Spanned<String>>,
+    rdma_gid_index: Option<Spanned<u64>>,
 }
 
 impl ServingConfig {
@@ -224,12 +236,13 @@ impl ServingConfig {
                 "shm" => KvTransportChoice::Fixed(Backend::Shm),
                 "tcp" => KvTransportChoice::Fixed(Backend::Tcp),
                 "local" => KvTransportChoice::Fixed(Backend::Local),
+                "rdma" => KvTransportChoice::Fixed(Backend::Rdma),
                 other => {
                     return Err(err(
                         t.span().start,
                         Some("serving.kv_transport"),
                         format!(
-                            "`{other}` is not a KV transport: expected \"auto\", \"shm\", \"tcp\" or \"local\""
+                            "`{other}` is not a KV transport: expected \"auto\", \"shm\", \"tcp\", \"rdma\" or \"local\""
                         ),
                     ));
                 }
@@ -248,6 +261,26 @@ impl ServingConfig {
                         ),
                     )
                 })
+        };
+        let mtu = int(&s.rdma_mtu, "serving.rdma_mtu", 256, 4096, 4096)? as u32;
+        if !rdma::MTUS.contains(&mtu) {
+            let at = s.rdma_mtu.as_ref().map_or(0, |v| v.span().start);
+            return Err(err(
+                at,
+                Some("serving.rdma_mtu"),
+                format!("{mtu} is not a path MTU: expected 256, 512, 1024, 2048 or 4096"),
+            ));
+        }
+        let mut rdma = RdmaConfig {
+            device: s.rdma_device.as_ref().map(|d| d.get_ref().clone()),
+            port: int(&s.rdma_port, "serving.rdma_port", 1, 255, 1)? as u8,
+            gid_index: int(&s.rdma_gid_index, "serving.rdma_gid_index", 0, 255, 0)? as u32,
+            mtu,
+        };
+        let mut rdma_at = match (&s.rdma_device, &s.kv_transport) {
+            (Some(d), _) => ("serving.rdma_device".to_string(), d.span().start),
+            (None, Some(t)) => ("serving.kv_transport".to_string(), t.span().start),
+            (None, None) => ("serving.kv_transport".to_string(), 0),
         };
         let (mut dev, mut device_at) = match &s.device {
             None => (Device::Cpu, None),
@@ -296,6 +329,13 @@ impl ServingConfig {
             }
             if let Some(d) = &o.device {
                 (dev, device_at) = device(d, &key("device"))?;
+            }
+            if let Some(d) = &o.rdma_device {
+                rdma.device = Some(d.get_ref().clone());
+                rdma_at = (key("rdma_device"), d.span().start);
+            }
+            if o.rdma_gid_index.is_some() {
+                rdma.gid_index = int(&o.rdma_gid_index, &key("rdma_gid_index"), 0, 255, 0)? as u32;
             }
         }
         Ok(ServingConfig {
@@ -386,6 +426,36 @@ impl ServingConfig {
             )?),
             device: dev,
             device_at,
+            rdma,
+            rdma_at,
+        })
+    }
+
+    /// Everything a worker's start opens on this machine, checked before anything starts (by
+    /// `duet up` for every node, by `duet node` for itself): its device and its KV transport.
+    pub fn check_start(&self, c: &ClusterConfig) -> Result<(), ConfigError> {
+        self.open_device(c)?;
+        self.open_kv_transport(c)?;
+        Ok(())
+    }
+
+    /// Checks, before a worker starts, that the KV transport it is told to use can be used
+    /// here: `kv_transport = "rdma"` needs a build with the `rdma` feature and an RDMA device
+    /// (named by `rdma_device`, or the first), with the port and GID index asked for. The
+    /// error names the key and line that asked for it. Other transports need nothing.
+    pub fn open_kv_transport(&self, c: &ClusterConfig) -> Result<Option<RdmaPort>, ConfigError> {
+        if self.kv_transport != KvTransportChoice::Fixed(Backend::Rdma) {
+            return Ok(None);
+        }
+        rdma::probe(&self.rdma).map(Some).map_err(|e| {
+            let (key, at) = self.rdma_at.clone();
+            let (line, _) = key_at(&c.source, at);
+            ConfigError {
+                file: c.path.display().to_string(),
+                line,
+                key,
+                message: format!("kv_transport = \"rdma\" cannot be used on this machine: {e}"),
+            }
         })
     }
 
@@ -477,8 +547,51 @@ mod tests {
     }
 
     #[test]
+    fn rdma_is_a_transport_whose_device_is_checked_at_start_naming_the_key() {
+        let text = format!(
+            "[serving]\nkv_transport = \"rdma\"\nrdma_gid_index = 3\n[serving.node.d0]\nrdma_device = \"mlx5_1\"\n\n{NODES}\
+             [[node]]\nname = \"d0\"\nrole = \"decode\"\naddress = \"127.0.0.1:7102\"\n"
+        );
+        let c = ClusterConfig::parse(&text, Path::new("cluster.toml")).expect("cluster");
+        let p0 = ServingConfig::for_node(&c, "p0").expect("p0");
+        assert_eq!(p0.kv_transport, KvTransportChoice::Fixed(Backend::Rdma));
+        assert_eq!(
+            (p0.rdma.device.as_deref(), p0.rdma.gid_index, p0.rdma.mtu),
+            (None, 3, 4096)
+        );
+        let d0 = ServingConfig::for_node(&c, "d0").expect("d0");
+        assert_eq!(d0.rdma.device.as_deref(), Some("mlx5_1"));
+        // This machine has no RDMA device (and a default build no verbs): a configuration
+        // error at start, naming the key that asked for rdma and its line, not a panic.
+        match p0.open_kv_transport(&c) {
+            Ok(port) => assert!(port.is_some(), "rdma opened without a port"),
+            Err(e) => {
+                assert_eq!((e.key.as_str(), e.line), ("serving.kv_transport", 2), "{e}");
+                assert!(
+                    e.message.contains("--features rdma") || e.message.contains("no RDMA device"),
+                    "{e}"
+                );
+            }
+        }
+        if let Err(e) = d0.open_kv_transport(&c) {
+            assert_eq!(
+                (e.key.as_str(), e.line),
+                ("serving.node.d0.rdma_device", 5),
+                "{e}"
+            );
+        }
+        // Other transports need nothing.
+        let tcp = read("[serving]\nkv_transport = \"tcp\"\n", "p0").expect("tcp");
+        let c2 = ClusterConfig::parse(&format!("[serving]\n\n{NODES}"), Path::new("cluster.toml"))
+            .expect("cluster");
+        assert_eq!(tcp.open_kv_transport(&c2), Ok(None));
+        let e = read("[serving]\nrdma_mtu = 1000\n", "p0").expect_err("mtu");
+        assert_eq!((e.line, e.key.as_str()), (2, "serving.rdma_mtu"));
+    }
+
+    #[test]
     fn errors_name_the_line_and_the_key() {
-        let e = read("[serving]\nkv_transport = \"rdma\"\n", "p0").expect_err("bad transport");
+        let e = read("[serving]\nkv_transport = \"rdam\"\n", "p0").expect_err("bad transport");
         assert_eq!((e.line, e.key.as_str()), (2, "serving.kv_transport"));
         assert!(e.message.contains("\"shm\""), "{e}");
         let e = read("[serving]\n\ndrain_backstop_secs = 0\n", "p0").expect_err("range");

@@ -14,6 +14,8 @@
 //!   of them can land (sans-IO; the simulator explores it).
 //! - [`receiver`]: decode's TCP receiver (stoppable: once stopped, nothing it accepted can
 //!   land), checking every frame against the grants.
+//! - [`rdma`]: the RDMA backend's sans-IO parts (work-request planning, the queue pair's states
+//!   and drain, the fallback policy) and, with the `rdma` feature, the verbs.
 //! - [`shm`]: shared-memory regions (same host: the decode pool mapped by prefill).
 //! - [`tcp`]: runs of bytes over one TCP connection per pair, landing in place, with fences.
 
@@ -24,6 +26,7 @@ pub mod claims;
 pub mod grants;
 pub mod ledger;
 pub mod quarantine;
+pub mod rdma;
 pub mod receiver;
 pub mod shm;
 pub mod tcp;

@@ -123,6 +123,7 @@ impl Actor for PrefillWorker {
         let settings = ServingConfig::for_node(&ctx.config, &ctx.me.name)?;
         // The worker owns its device for this incarnation (checked at node start too).
         let device = settings.open_device(&ctx.config)?;
+        settings.open_kv_transport(&ctx.config)?;
         let device = WorkerContext::open(&Devices, device)?;
         *ctx.device.lock().unwrap_or_else(|p| p.into_inner()) = Some(device.device().to_string());
         let runner = {
