@@ -6,6 +6,8 @@
 //! - [`plan`]: the work requests of one write (coalesced page runs, checked against the grant
 //!   and its remote key, signalled every N, closed by a WRITE_WITH_IMM naming the attempt);
 //! - [`qp`]: the queue pair's states, its send queue's bookkeeping, and the drain;
+//! - [`fence`]: decode's [`crate::Fence`] over its queue pairs: an aborted attempt's pages stay
+//!   quarantined until its queue pair is drained (the marker flushed) or destroyed;
 //! - [`fallback`]: which backend a pair uses next (`auto`: shm on one host, rdma on one fabric,
 //!   tcp otherwise; rdma failures fall back to tcp with a doubling back-off, counted).
 //!
@@ -13,10 +15,12 @@
 //! device and its port; without the feature it says the build has none).
 
 pub mod fallback;
+pub mod fence;
 pub mod plan;
 pub mod qp;
 
 pub use fallback::{Fabric, LinkLayer, PairOffer, PairPolicy, Wanted};
+pub use fence::QpFence;
 pub use plan::{RemoteGrant, RemoteRegion, WorkRequest, WrKind, WrLimits};
 pub use qp::{Completed, Completion, QpState, QueuePair, WcStatus};
 
