@@ -411,8 +411,48 @@ async fn short_or_cached_prompts_are_prefilled_on_decode() {
     assert_eq!(code, 200, "{v}");
     let chunks = metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await;
     assert!(chunks > 0.0);
-    // The same long prompt again: decode caches all but 3 tokens, so it prefills them itself.
+    // The same long prompt again: decode caches all but 3 tokens, so the router (which sent
+    // the prompt there, cache-aware) has decode prefill them itself.
     let (code, again) = complete(http, ask(4 * PAGE + 3)).await;
+    assert_eq!(code, 200, "{again}");
+    assert_eq!(text_of(&again), text_of(&v));
+    let cached = metric(
+        c.admin("router"),
+        &token,
+        "duet_router_routes_total",
+        "reason=\"cached_prefix\"",
+    )
+    .await;
+    assert_eq!(cached, 1.0);
+    assert_eq!(
+        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
+        chunks,
+        "prefill computed a prompt decode had cached"
+    );
+    assert_pools_whole(&c).await;
+}
+
+/// A prompt whose part decode has not cached is short is still prefilled on decode when the
+/// router could not know (load-only routing): decode decides on its own cache.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_prefills_a_mostly_cached_prompt_itself_when_the_router_pairs_it() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let config =
+        serving(&model_path, http, "routing = \"load\"\n").replace("disagg_threshold = 0\n", "");
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &config,
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    let ask =
+        json!({"prompt": prompt_ids(&model, 4 * PAGE + 3), "max_tokens": 3, "temperature": 0});
+    let (code, v) = complete(http, ask.clone()).await;
+    assert_eq!(code, 200, "{v}");
+    let (code, again) = complete(http, ask).await;
     assert_eq!(code, 200, "{again}");
     assert_eq!(text_of(&again), text_of(&v));
     let local = metric(
@@ -423,12 +463,76 @@ async fn short_or_cached_prompts_are_prefilled_on_decode() {
     )
     .await;
     assert_eq!(local, 1.0);
-    assert_eq!(
-        metric(c.admin("p0"), &token, "duet_prefill_chunks_total", "").await,
-        chunks,
-        "prefill computed a prompt decode had cached"
-    );
     assert_pools_whole(&c).await;
+}
+
+/// Cache-aware routing (issue 19): requests sharing a long prefix (a system prompt) go back
+/// to the decode worker that holds it, so only their new suffix's KV moves; the other decode
+/// worker takes none of them while the load allows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_prefix_goes_back_to_the_decode_worker_holding_it() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[
+            ("router", "router"),
+            ("p0", "prefill"),
+            ("d0", "decode"),
+            ("d1", "decode"),
+        ],
+        &serving(&model_path, http, ""),
+    );
+    let _up = Running::up(&c.config).await;
+    // Both decode workers ready before the first request (routing sees both).
+    router_ready(http, 3).await;
+    let token = c.token();
+    let system = prompt_ids(&model, 4 * PAGE);
+    let sent = || metric(c.admin("p0"), &token, "duet_kv_bytes_sent_total", "");
+    let mut moved = Vec::new();
+    for user in 0..6u32 {
+        let mut prompt = system.clone();
+        prompt.extend([100 + user, 200 + user, 300 + user]);
+        let before = sent().await;
+        let (code, v) = complete(
+            http,
+            json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(code, 200, "{v}");
+        moved.push(sent().await - before);
+    }
+    let completed = |d: &'static str| {
+        let token = token.clone();
+        let c = &c;
+        async move {
+            metric(
+                c.admin(d),
+                &token,
+                "duet_transfers_total",
+                "outcome=\"completed\"",
+            )
+            .await
+        }
+    };
+    let (d0, d1) = (completed("d0").await, completed("d1").await);
+    assert!(
+        (d0, d1) == (6.0, 0.0) || (d0, d1) == (0.0, 6.0),
+        "the shared prefix was spread: d0 {d0}, d1 {d1} transfers"
+    );
+    let hits = metric(
+        c.admin("router"),
+        &token,
+        "duet_router_cache_routes_total",
+        "kind=\"decode\",outcome=\"hit\"",
+    )
+    .await;
+    assert_eq!(hits, 5.0);
+    assert!(
+        moved[1..].iter().all(|m| *m < moved[0] / 2.0),
+        "KV bytes moved per request: {moved:?}"
+    );
+    assert_pools_whole_on(&c, &["p0", "d0", "d1"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -513,6 +513,16 @@ pub enum WorkerKind {
     Decode,
 }
 
+impl WorkerKind {
+    /// `prefill` or `decode` (metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerKind::Prefill => "prefill",
+            WorkerKind::Decode => "decode",
+        }
+    }
+}
+
 /// A worker's load, for routing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {

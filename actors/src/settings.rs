@@ -44,6 +44,8 @@ pub struct ServingConfig {
     pub disagg_threshold: usize,
     /// How prefill writes decode's pages: `auto` (shm on one host, else tcp), or forced.
     pub kv_transport: KvTransportChoice,
+    /// How the router chooses workers: `cache_aware` (default) or `load`.
+    pub routing: Routing,
     /// Longest a request waits in prefill's bootstrap queue for decode's pages.
     pub bootstrap_timeout: Duration,
     /// Longest decode waits for a transfer (notice sent to complete KV).
@@ -74,6 +76,16 @@ pub struct ServingConfig {
     /// Where `kv_transport` (or `rdma_device`) was set: key and byte offset, for the error when
     /// the RDMA device cannot be opened.
     rdma_at: (String, usize),
+}
+
+/// `serving.routing`: how the router chooses workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// The worker holding the longest cached prefix of the prompt when load allows, else the
+    /// less loaded (the default).
+    CacheAware,
+    /// The less loaded of two, whatever they hold.
+    Load,
 }
 
 /// `serving.kv_transport`.
@@ -118,6 +130,7 @@ struct RawServing {
     request_timeout_secs: Option<Spanned<u64>>,
     disagg_threshold: Option<Spanned<u64>>,
     kv_transport: Option<Spanned<String>>,
+    routing: Option<Spanned<String>>,
     bootstrap_timeout_secs: Option<Spanned<u64>>,
     transfer_timeout_secs: Option<Spanned<u64>>,
     kv_checksum: Option<bool>,
@@ -247,6 +260,23 @@ impl ServingConfig {
                     ));
                 }
             },
+        };
+        let routing = match s
+            .routing
+            .as_ref()
+            .map(|r| (r.get_ref().as_str(), r.span().start))
+        {
+            None | Some(("cache_aware", _)) => Routing::CacheAware,
+            Some(("load", _)) => Routing::Load,
+            Some((other, at)) => {
+                return Err(err(
+                    at,
+                    Some("serving.routing"),
+                    format!(
+                        "`{other}` is not a routing policy: expected \"cache_aware\" or \"load\""
+                    ),
+                ));
+            }
         };
         let device = |d: &Spanned<String>, key: &str| {
             Device::parse(d.get_ref())
@@ -378,6 +408,7 @@ impl ServingConfig {
                 32,
             )? as usize,
             kv_transport,
+            routing,
             bootstrap_timeout: Duration::from_secs(int(
                 &s.bootstrap_timeout_secs,
                 "serving.bootstrap_timeout_secs",
@@ -594,6 +625,13 @@ mod tests {
         let e = read("[serving]\nkv_transport = \"rdam\"\n", "p0").expect_err("bad transport");
         assert_eq!((e.line, e.key.as_str()), (2, "serving.kv_transport"));
         assert!(e.message.contains("\"shm\""), "{e}");
+        let e = read("[serving]\nrouting = \"random\"\n", "p0").expect_err("routing");
+        assert_eq!((e.line, e.key.as_str()), (2, "serving.routing"));
+        assert_eq!(
+            read("[serving]\nrouting = \"load\"\n", "p0").map(|s| s.routing),
+            Ok(Routing::Load)
+        );
+        assert_eq!(read("", "p0").map(|s| s.routing), Ok(Routing::CacheAware));
         let e = read("[serving]\n\ndrain_backstop_secs = 0\n", "p0").expect_err("range");
         assert_eq!((e.line, e.key.as_str()), (3, "serving.drain_backstop_secs"));
         let r = read(

@@ -59,6 +59,9 @@ pub const SEQS_RUNNING: &str = "duet_sequences_running";
 pub const SEQS_WAITING: &str = "duet_sequences_waiting";
 /// Router routing decisions, by `path` (`disaggregated`, `decode_only`) and `reason`.
 pub const ROUTER_ROUTES: &str = "duet_router_routes_total";
+/// Cache-aware choices, by worker `kind` and `outcome` (`hit`: the worker holding the longest
+/// cached prefix was chosen; `miss`: nobody held any, or load did not allow, so load chose).
+pub const ROUTER_CACHE_ROUTES: &str = "duet_router_cache_routes_total";
 /// Prompts decode prefilled itself although a prefill worker was assigned, by `reason`.
 pub const DECODE_LOCAL_PREFILLS: &str = "duet_decode_local_prefills_total";
 /// Requests in prefill's bootstrap queue (waiting for decode's pages).
@@ -138,6 +141,7 @@ pub const ALL: &[&str] = &[
     SEQS_RUNNING,
     SEQS_WAITING,
     ROUTER_ROUTES,
+    ROUTER_CACHE_ROUTES,
     DECODE_LOCAL_PREFILLS,
     BOOTSTRAP_QUEUE,
     PREALLOC_QUEUE,

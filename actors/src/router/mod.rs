@@ -11,6 +11,7 @@
 //! [`policy`] (a pure state machine: retries, migrations, waiting for workers), driven by its
 //! generation (`generation.rs`, the shell that starts attempts and streams their tokens).
 
+pub mod affinity;
 mod generation;
 pub mod http;
 mod openai;
@@ -166,6 +167,7 @@ impl Actor for RouterActor {
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
             open: std::sync::atomic::AtomicUsize::new(0),
+            prefixes: Mutex::new(affinity::PrefixIndex::new()),
         });
         ctx.drain.set_timeout(shared.settings.shutdown_drain);
         let weak = Arc::downgrade(&shared);

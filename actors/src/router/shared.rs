@@ -19,11 +19,12 @@ use duet_runtime::wire;
 use rand::Rng;
 use tokio::sync::mpsc;
 
+use super::affinity::{self, Candidate, PrefixIndex, block_hashes};
 use crate::protocol::{
     Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
     ROUTER_SERVICE, ServingError, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
 };
-use crate::settings::ServingConfig;
+use crate::settings::{Routing, ServingConfig};
 
 /// A load report older than this no longer counts: the worker is not routed to.
 const LOAD_STALE: Duration = Duration::from_secs(3);
@@ -40,12 +41,20 @@ pub struct RouterShared {
     pub(super) next_id: AtomicU64,
     /// Requests being answered (what a graceful drain waits for).
     pub(super) open: std::sync::atomic::AtomicUsize,
+    /// The router's estimate of each worker's prefix cache (cache-aware routing).
+    pub(super) prefixes: Mutex<PrefixIndex>,
 }
 
 pub(super) struct Pending {
     pub(super) tx: mpsc::UnboundedSender<TokenItem>,
     pub(super) worker: String,
     pub(super) incarnation: Option<u64>,
+}
+
+/// A worker's queued work in prompt tokens: what it still has to compute, and a prefill
+/// chunk's worth for each sequence waiting for a slot or for pages.
+fn load_tokens(r: &LoadReport) -> usize {
+    r.queued_tokens + 16 * (r.waiting + r.bootstrap_queue)
 }
 
 impl RouterShared {
@@ -108,12 +117,7 @@ impl RouterShared {
                 let mut rng = rand::rng();
                 let a = rng.random_range(0..n);
                 let b = (a + rng.random_range(1..n)) % n;
-                let key = |r: &LoadReport| {
-                    (
-                        r.queued_tokens + 16 * (r.waiting + r.bootstrap_queue),
-                        usize::MAX - r.free_pages,
-                    )
-                };
+                let key = |r: &LoadReport| (load_tokens(r), usize::MAX - r.free_pages);
                 let best = if key(&ready[a]) <= key(&ready[b]) {
                     a
                 } else {
@@ -125,12 +129,15 @@ impl RouterShared {
     }
 
     /// Chooses where a request runs: a decode worker (not one of `exclude`) and, unless the
-    /// prompt is short or no compatible prefill worker is ready, a prefill worker for it.
+    /// prompt is short, mostly cached on that decode worker, or no compatible prefill worker
+    /// is ready, a prefill worker for it. With `routing = "cache_aware"` each worker is the
+    /// one holding the longest cached prefix of the prompt when load allows
+    /// ([`affinity`]); otherwise, and when nobody holds any of it, the less loaded of two.
     /// `forced` names a pair (`PREFILL,DECODE`) for operators and tests; it skips the layout
     /// filter, so decode's own check answers a mismatch.
     pub(super) fn route(
         &self,
-        prompt_len: usize,
+        prompt: &[u32],
         exclude: &[String],
         forced: Option<&str>,
         prefer_prefill: Option<&str>,
@@ -142,14 +149,41 @@ impl RouterShared {
                 .ok_or_else(|| RouteError::NotAPair(pair.to_string()))?;
             return Ok((d.trim().to_string(), Some(p.trim().to_string())));
         }
+        let prompt_len = prompt.len();
+        let cache_aware = self.settings.routing == Routing::CacheAware;
         // A retry avoids the workers already tried, unless they are all there is (a restarted
         // worker is a new incarnation and may well serve it).
         let decode = self
-            .pick(|r| r.kind == WorkerKind::Decode && !exclude.contains(&r.worker))
-            .or_else(|| self.pick(|r| r.kind == WorkerKind::Decode))
+            .pick_cached(prompt, cache_aware, |r| {
+                r.kind == WorkerKind::Decode && !exclude.contains(&r.worker)
+            })
+            .or_else(|| self.pick(|r| r.kind == WorkerKind::Decode).map(|r| (r, 0)))
             .ok_or(RouteError::NoDecodeReady)?;
+        let (decode, cached) = decode;
+        let page = decode.layout.layout.page_size;
+        let hashes = block_hashes(prompt, page);
+        let record = |worker: &LoadReport| {
+            if cache_aware {
+                self.prefixes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .record(
+                        &worker.worker,
+                        worker.incarnation,
+                        &hashes,
+                        worker.total_pages,
+                    );
+            }
+        };
+        record(&decode);
         if prompt_len < self.settings.disagg_threshold {
             metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
+            return Ok((decode.worker, None));
+        }
+        // Conditional disaggregation on what decode would have to compute: a prompt mostly
+        // cached there is finished there, with no transfer.
+        if prompt_len.saturating_sub(cached) < self.settings.disagg_threshold {
+            metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "cached_prefix").increment(1);
             return Ok((decode.worker, None));
         }
         // A prefill worker whose pool cannot hold the prompt would fail it: not a candidate.
@@ -162,16 +196,71 @@ impl RouterShared {
         // A continuation goes back to the prefill worker that keeps its prompt's KV.
         let prefill = prefer_prefill
             .and_then(|p| self.pick(|r| compatible(r) && r.worker == p))
-            .or_else(|| self.pick(|r| compatible(r) && !exclude.contains(&r.worker)))
+            .or_else(|| {
+                self.pick_cached(prompt, cache_aware, |r| {
+                    compatible(r) && !exclude.contains(&r.worker)
+                })
+                .map(|(r, _)| r)
+            })
             .or_else(|| self.pick(compatible));
         match prefill {
             Some(p) => {
+                record(&p);
                 metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "disaggregated", "reason" => "paired").increment(1);
                 Ok((decode.worker, Some(p.worker)))
             }
             None => {
                 metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "no_compatible_prefill").increment(1);
                 Ok((decode.worker, None))
+            }
+        }
+    }
+
+    /// The worker passing `keep` that holds the longest cached prefix of `prompt` when load
+    /// allows (with the tokens it holds), else the less loaded of two (holding none, as far
+    /// as the router knows, or what it holds).
+    fn pick_cached(
+        &self,
+        prompt: &[u32],
+        cache_aware: bool,
+        keep: impl Fn(&LoadReport) -> bool,
+    ) -> Option<(LoadReport, usize)> {
+        if !cache_aware {
+            return self.pick(keep).map(|r| (r, 0));
+        }
+        let ready: Vec<LoadReport> = self
+            .ready_workers()
+            .into_iter()
+            .filter(|r| keep(r))
+            .collect();
+        let index = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut hashes: HashMap<usize, Vec<u64>> = HashMap::new();
+        let candidates: Vec<Candidate> = ready
+            .iter()
+            .map(|r| {
+                let page = r.layout.layout.page_size;
+                let h = hashes
+                    .entry(page)
+                    .or_insert_with(|| block_hashes(prompt, page));
+                Candidate {
+                    worker: r.worker.clone(),
+                    load: load_tokens(r),
+                    matched_tokens: index.matched(&r.worker, r.incarnation, h) * page,
+                }
+            })
+            .collect();
+        drop(index);
+        match affinity::choose(&candidates) {
+            Some(best) => {
+                let tokens = best.matched_tokens;
+                let r = ready.into_iter().find(|r| r.worker == best.worker)?;
+                metrics::counter!(duet_runtime::metrics::ROUTER_CACHE_ROUTES, "kind" => r.kind.name(), "outcome" => "hit").increment(1);
+                Some((r, tokens))
+            }
+            None => {
+                let r = self.pick(keep)?;
+                metrics::counter!(duet_runtime::metrics::ROUTER_CACHE_ROUTES, "kind" => r.kind.name(), "outcome" => "miss").increment(1);
+                Some((r, 0))
             }
         }
     }
@@ -217,7 +306,7 @@ impl RouterShared {
     ) -> Result<Started, StartError> {
         let (worker, prefill) = self
             .route(
-                prompt.len(),
+                prompt,
                 &placement.exclude,
                 placement.forced.as_deref(),
                 placement.prefer_prefill.as_deref(),
