@@ -48,7 +48,7 @@ async fn run(backend: &str, model_path: &std::path::Path, prompts: &[Vec<u32>]) 
     let token = c.token();
     router_ready(http, 2).await;
     for p in prompts {
-        let body = json!({"prompt": p, "max_tokens": 1, "temperature": 0});
+        let body = json!({"model": "SmolLM2-135M-Instruct", "prompt": p, "max_tokens": 1, "temperature": 0});
         let out = tokio::process::Command::new("curl")
             .args([
                 "-s",

@@ -120,7 +120,8 @@ async fn through_router(model: &std::path::Path, name: &str) -> (Vec<Duration>, 
         }
     }
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], ports[0]));
-    let body = serde_json::json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0});
+    let body =
+        serde_json::json!({"model": name, "prompt": PROMPT, "max_tokens": 1, "temperature": 0});
     let call = || async {
         exchange(
             addr,

@@ -124,7 +124,7 @@ async fn run(model: &Path, mode: Mode, otlp: u16, reps: usize) -> (f64, f64) {
         }
     }
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], ports[0]));
-    let body = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0});
+    let body = serde_json::json!({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0});
     let call = move |body: serde_json::Value| async move {
         exchange(
             addr,

@@ -49,7 +49,13 @@ async fn json_log_lines_carry_the_request() {
             "content-type: application/json",
             "-d",
         ])
-        .arg(r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#)
+        .arg(
+            with_model(
+                http,
+                &serde_json::json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+            )
+            .to_string(),
+        )
         .arg(format!("http://127.0.0.1:{http}/v1/completions"))
         .output()
         .await

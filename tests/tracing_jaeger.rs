@@ -116,6 +116,7 @@ fn spans_named<'a>(trace: &'a Value, name: &str) -> Vec<&'a Value> {
 }
 
 async fn completion(http: u16, body: &Value, traceparent: &str) -> Value {
+    let body = &with_model(http, body);
     let out = tokio::process::Command::new("curl")
         .args([
             "-s",

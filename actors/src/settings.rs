@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use duet_gpu::{Device, DeviceError, KvDtype};
 use duet_runtime::config::{ClusterConfig, ConfigError, key_at};
+use duet_runtime::credentials::Token;
 use duet_transport::Backend;
 use duet_transport::rdma::{self, RdmaConfig, RdmaPort};
 use serde::Deserialize;
@@ -46,6 +47,8 @@ pub struct ServingConfig {
     pub kv_transport: KvTransportChoice,
     /// How the router chooses workers: `cache_aware` (default) or `load`.
     pub routing: Routing,
+    /// API keys the public port accepts (`Authorization: Bearer KEY`); empty: none needed.
+    pub api_keys: Vec<Token>,
     /// Longest a request waits in prefill's bootstrap queue for decode's pages.
     pub bootstrap_timeout: Duration,
     /// Longest decode waits for a transfer (notice sent to complete KV).
@@ -131,6 +134,7 @@ struct RawServing {
     disagg_threshold: Option<Spanned<u64>>,
     kv_transport: Option<Spanned<String>>,
     routing: Option<Spanned<String>>,
+    api_keys: Option<Spanned<Vec<String>>>,
     bootstrap_timeout_secs: Option<Spanned<u64>>,
     transfer_timeout_secs: Option<Spanned<u64>>,
     kv_checksum: Option<bool>,
@@ -278,6 +282,25 @@ impl ServingConfig {
                 ));
             }
         };
+        let api_keys = match &s.api_keys {
+            None => Vec::new(),
+            Some(keys) => {
+                if let Some(short) = keys.get_ref().iter().find(|k| k.trim().len() < 16) {
+                    return Err(err(
+                        keys.span().start,
+                        Some("serving.api_keys"),
+                        format!(
+                            "an API key of {} characters is too easy to guess: use at least 16",
+                            short.trim().len()
+                        ),
+                    ));
+                }
+                keys.get_ref()
+                    .iter()
+                    .map(|k| Token::new(k.trim()))
+                    .collect()
+            }
+        };
         let device = |d: &Spanned<String>, key: &str| {
             Device::parse(d.get_ref())
                 .map(|dev| (dev, Some((key.to_string(), d.span().start))))
@@ -409,6 +432,7 @@ impl ServingConfig {
             )? as usize,
             kv_transport,
             routing,
+            api_keys,
             bootstrap_timeout: Duration::from_secs(int(
                 &s.bootstrap_timeout_secs,
                 "serving.bootstrap_timeout_secs",

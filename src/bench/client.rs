@@ -42,6 +42,52 @@ pub async fn stream_completion(addr: SocketAddr, ask: &Ask, epoch: Instant) -> R
     rec
 }
 
+/// The model the router at `addr` serves (`/v1/models`), asked once per address: requests must
+/// name it.
+async fn served_model(addr: SocketAddr) -> Result<String, String> {
+    static SEEN: std::sync::Mutex<Vec<(SocketAddr, String)>> = std::sync::Mutex::new(Vec::new());
+    if let Some((_, m)) = SEEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(a, _)| *a == addr)
+    {
+        return Ok(m.clone());
+    }
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+    let driver = tokio::spawn(conn);
+    let req = hyper::Request::get("/v1/models")
+        .header("host", addr.to_string())
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("/v1/models: {e}"))?;
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("/v1/models: {e}"))?
+        .to_bytes();
+    driver.abort();
+    let v: Value = serde_json::from_slice(&body).map_err(|e| format!("/v1/models: {e}"))?;
+    let model = v["data"][0]["id"]
+        .as_str()
+        .ok_or_else(|| format!("/v1/models names no model: {v}"))?
+        .to_string();
+    SEEN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((addr, model.clone()));
+    Ok(model)
+}
+
 async fn run(
     addr: SocketAddr,
     ask: &Ask,
@@ -50,6 +96,7 @@ async fn run(
     rec: &mut RequestRecord,
 ) -> Result<(), String> {
     let body = json!({
+        "model": served_model(addr).await?,
         "prompt": ask.prompt,
         "max_tokens": ask.max_tokens,
         "temperature": 0,

@@ -117,6 +117,43 @@ pub struct BenchArgs {
     /// The experiment with tiny parameters and the tiny model (a smoke run, seconds).
     #[arg(long)]
     pub quick: bool,
+    /// A shared-prefix workload: every prompt starts with one of this many system prompts
+    /// (drawn uniformly; `--prefix-len` tokens each, the same for a seed), then its own
+    /// `--prompt-len` tokens. 0: no shared prefix.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefixes: usize,
+    /// Tokens of each shared system prompt.
+    #[arg(long, default_value_t = 512)]
+    pub prefix_len: usize,
+}
+
+/// The prompts of a run: random tokens, after one of the shared system prompts if any.
+#[derive(Debug, Clone)]
+pub(crate) struct Prompts {
+    systems: Arc<Vec<Vec<u32>>>,
+}
+
+impl Prompts {
+    pub(crate) fn new(args: &BenchArgs) -> Prompts {
+        let mut rng = StdRng::seed_from_u64(args.seed ^ 0x0051_57e3);
+        let systems = (0..args.shared_prefixes)
+            .map(|_| prompt(&mut rng, args.prefix_len))
+            .collect();
+        Prompts {
+            systems: Arc::new(systems),
+        }
+    }
+
+    /// A prompt of `n` own tokens (after a system prompt, when there are some).
+    pub(crate) fn draw(&self, rng: &mut StdRng, n: usize) -> Vec<u32> {
+        let mut p = if self.systems.is_empty() {
+            Vec::with_capacity(n)
+        } else {
+            self.systems[rng.random_range(0..self.systems.len())].clone()
+        };
+        p.extend(prompt(rng, n));
+        p
+    }
 }
 
 /// Runs `duet bench`.
@@ -191,6 +228,7 @@ async fn plain(args: &BenchArgs) -> Result<(), String> {
                 "prompt_len": format!("{}..{}", args.prompt_len.lo, args.prompt_len.hi),
                 "output_len": format!("{}..{}", args.output_len.lo, args.output_len.hi),
                 "seed": args.seed, "duration_s": args.duration,
+                "shared_prefixes": args.shared_prefixes, "prefix_len": args.prefix_len,
             },
             "requests": records,
         });
@@ -210,6 +248,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
     let end = epoch + Duration::from_secs_f64(args.duration);
     let bar = progress(args.duration);
     let mut rng = StdRng::seed_from_u64(args.seed);
+    let prompts = Prompts::new(args);
     let records = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     match args.rate {
@@ -220,7 +259,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
                 tokio::time::sleep_until(next.into()).await;
                 let n = args.prompt_len.draw(&mut rng);
                 let ask = Ask {
-                    prompt: prompt(&mut rng, n),
+                    prompt: prompts.draw(&mut rng, n),
                     max_tokens: args.output_len.draw(&mut rng),
                     class: "load",
                     until: None,
@@ -238,13 +277,17 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
         _ => {
             for w in 0..args.concurrency.max(1) {
                 let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(w as u64));
-                let (records, prompt_len, output_len) =
-                    (records.clone(), args.prompt_len, args.output_len);
+                let (records, prompt_len, output_len, prompts) = (
+                    records.clone(),
+                    args.prompt_len,
+                    args.output_len,
+                    prompts.clone(),
+                );
                 tasks.push(tokio::spawn(async move {
                     while Instant::now() < end {
                         let n = prompt_len.draw(&mut rng);
                         let ask = Ask {
-                            prompt: prompt(&mut rng, n),
+                            prompt: prompts.draw(&mut rng, n),
                             max_tokens: output_len.draw(&mut rng),
                             class: "load",
                             until: None,

@@ -78,6 +78,21 @@ impl FleetDir {
 /// One completion through curl on `host`, to the router listening on its loopback `http`
 /// port: the status and the body.
 pub async fn complete_on(h: &Hosts, host: &str, http: u16, body: &Value) -> (u16, Value) {
+    let mut body = body.clone();
+    if let Some(o) = body.as_object_mut()
+        && !o.contains_key("model")
+    {
+        let models = h
+            .command(host, "curl")
+            .args(["-s", "--max-time", "10"])
+            .arg(format!("http://127.0.0.1:{http}/v1/models"))
+            .output()
+            .await
+            .expect("curl");
+        let v: Value = serde_json::from_slice(&models.stdout).unwrap_or(Value::Null);
+        let model = v["data"][0]["id"].as_str().unwrap_or("unknown").to_string();
+        o.insert("model".into(), Value::String(model));
+    }
     let out = h
         .command(host, "curl")
         .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])

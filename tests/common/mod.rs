@@ -26,10 +26,43 @@ pub fn real_model() -> PathBuf {
     duet_fetch::ensure_model(&path, &mut |_| {}).expect("the real model (duet fetch-model)")
 }
 
+/// The model the router on `http` serves, as `/v1/models` names it (every request must name
+/// it, as the OpenAI API requires); asked once per port.
+pub fn served_model(http: u16) -> String {
+    static SEEN: std::sync::Mutex<Vec<(u16, String)>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, m)) = seen.iter().find(|(p, _)| *p == http) {
+        return m.clone();
+    }
+    let out = std::process::Command::new("curl")
+        .args(["-s", "--max-time", "10"])
+        .arg(format!("http://127.0.0.1:{http}/v1/models"))
+        .output()
+        .expect("curl");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let model = v["data"][0]["id"].as_str().unwrap_or("unknown").to_string();
+    if model != "unknown" {
+        seen.push((http, model.clone()));
+    }
+    model
+}
+
+/// `body` naming the served model, unless it names one (or is not an object).
+pub fn with_model(http: u16, body: &Value) -> Value {
+    let mut body = body.clone();
+    if let Some(o) = body.as_object_mut()
+        && !o.contains_key("model")
+    {
+        o.insert("model".into(), Value::String(served_model(http)));
+    }
+    body
+}
+
 /// One `/v1/completions` request through curl (a real HTTP client): the status and the body
-/// (`Null` when it is not JSON).
+/// (`Null` when it is not JSON). The body names the served model unless it names one.
 pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
     use tokio::io::AsyncWriteExt;
+    let body = &with_model(http, body);
     // The body goes through stdin: a command-line argument is limited to 128 KiB.
     let mut curl = Command::new("curl")
         .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
@@ -59,6 +92,7 @@ pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
 /// A streaming `/v1/completions` request through curl (`-N`: no buffering), its body to
 /// `stdout`; killed when dropped (a client that leaves).
 pub fn curl_stream(http: u16, body: &Value, stdout: Stdio) -> Child {
+    let body = with_model(http, body);
     Command::new("curl")
         .args(["-s", "-N", "--max-time", "600", "-H"])
         .arg("content-type: application/json")

@@ -31,16 +31,64 @@ pub fn app(shared: Arc<RouterShared>) -> axum::Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .fallback(|| async {
+        .fallback(|req: Request| async move {
             ApiError {
                 status: StatusCode::NOT_FOUND,
-                message: "no such endpoint".into(),
+                message: format!("no such endpoint: {} {}", req.method(), req.uri().path()),
                 kind: "invalid_request_error",
                 param: None,
                 code: Some("not_found"),
             }
         })
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: format!("{} is not allowed on {}", req.method(), req.uri().path()),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("method_not_allowed"),
+            }
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            api_key,
+        ))
         .with_state(shared)
+}
+
+/// With `[serving] api_keys`, every `/v1/` request needs `Authorization: Bearer KEY` with one
+/// of them (401 otherwise, as OpenAI answers); `/health`, `/ready` and `/metrics` stay open
+/// for probes and scrapers on the same port.
+async fn api_key(
+    State(s): State<Arc<RouterShared>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if s.settings.api_keys.is_empty() || !req.uri().path().starts_with("/v1/") {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let ok = given.is_some_and(|g| s.settings.api_keys.iter().any(|k| k.matches(g)));
+    if ok {
+        return next.run(req).await;
+    }
+    ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: if given.is_some() {
+            "Incorrect API key provided".into()
+        } else {
+            "You didn't provide an API key: send it as `Authorization: Bearer KEY`".into()
+        },
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+    }
+    .into_response()
 }
 
 async fn body_json<T: serde::de::DeserializeOwned>(req: Request) -> Result<T, ApiError> {
@@ -59,8 +107,12 @@ async fn body_json<T: serde::de::DeserializeOwned>(req: Request) -> Result<T, Ap
 }
 
 async fn models(State(s): State<Arc<RouterShared>>) -> Json<Value> {
+    // `created`: when the model file was written (what the served model is), else when this
+    // router started; `max_model_len` as vLLM gives it, what a sequence can hold here.
+    let (max_len, _) = s.sequence_limit();
     Json(json!({"object": "list", "data": [{
-        "id": s.settings.model_name, "object": "model", "created": 0, "owned_by": "duet",
+        "id": s.settings.model_name, "object": "model", "created": s.created,
+        "owned_by": "duet", "max_model_len": max_len,
     }]}))
 }
 
@@ -131,6 +183,7 @@ async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
     let result = async {
         let r: ChatRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
+        r.common.refuse_unsupported()?;
         if r.messages.is_empty() {
             return Err(ApiError::invalid("messages must not be empty", "messages"));
         }
@@ -172,6 +225,7 @@ async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
     let result = async {
         let r: CompletionRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
+        r.common.refuse_unsupported()?;
         let prompt = match r.prompt {
             Value::String(t) => encode(&s, t).await?,
             Value::Array(items) if items.iter().all(Value::is_u64) => items
@@ -248,6 +302,10 @@ async fn off_executor<T: Send + 'static>(
 
 fn check_model(s: &RouterShared, model: Option<&str>) -> Result<(), ApiError> {
     match model {
+        None => Err(ApiError::invalid(
+            "you must provide a model parameter",
+            "model",
+        )),
         Some(m) if m != s.settings.model_name => Err(ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!(
@@ -425,7 +483,6 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
     let body = match api {
         Api::Chat => json!({
             "id": id, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": null,
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": null},
@@ -436,7 +493,6 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
         }),
         Api::Completion => json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": null,
             "choices": [{
                 "index": 0, "text": text,
                 "logprobs": if logprobs { completion_logprobs(&lps) } else { Value::Null },

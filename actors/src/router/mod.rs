@@ -157,6 +157,11 @@ impl Actor for RouterActor {
                 }
             }
         };
+        let created = std::fs::metadata(&settings.model)
+            .and_then(|m| m.modified())
+            .unwrap_or_else(|_| std::time::SystemTime::now())
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
         let shared = Arc::new(RouterShared {
             ctx: ctx.clone(),
             settings,
@@ -168,6 +173,7 @@ impl Actor for RouterActor {
             next_id: AtomicU64::new(rand::rng().random_range(1..1 << 40)),
             open: std::sync::atomic::AtomicUsize::new(0),
             prefixes: Mutex::new(affinity::PrefixIndex::new()),
+            created,
         });
         ctx.drain.set_timeout(shared.settings.shutdown_drain);
         let weak = Arc::downgrade(&shared);

@@ -1,4 +1,10 @@
-//! OpenAI request bodies and error shapes. Unknown fields are ignored, as clients send many.
+//! OpenAI request bodies and error shapes.
+//!
+//! A field Duet does not implement but whose absence would change the answer (tools, a JSON
+//! response format, logit biases, more than one choice, ...) is refused with a 400 naming it,
+//! so a client never gets a plausible answer to a question it did not ask. Other unknown
+//! fields (`user`, `metadata`, vendor extensions) are ignored, as clients send many. `null`
+//! counts as absent, as the SDKs send it for unset fields.
 
 use axum::Json;
 use axum::http::StatusCode;
@@ -75,9 +81,102 @@ pub struct Common {
     pub best_of: Option<i64>,
     /// Duet extension: run on this pair, `PREFILL_NODE,DECODE_NODE` (operators and tests).
     pub duet_pair: Option<String>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub top_logprobs: Option<i64>,
+    /// Everything else the client sent.
+    #[serde(flatten)]
+    pub other: std::collections::BTreeMap<String, Value>,
 }
 
+/// Fields Duet does not implement that change what a correct answer is: refused, named.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("tools", "tool calling is not supported by this server"),
+    (
+        "tool_choice",
+        "tool calling is not supported by this server",
+    ),
+    (
+        "parallel_tool_calls",
+        "tool calling is not supported by this server",
+    ),
+    (
+        "functions",
+        "function calling is not supported by this server",
+    ),
+    (
+        "function_call",
+        "function calling is not supported by this server",
+    ),
+    (
+        "response_format",
+        "response formats (JSON mode, schemas) are not supported by this server",
+    ),
+    ("logit_bias", "logit_bias is not supported by this server"),
+    ("echo", "echo is not supported by this server"),
+    (
+        "suffix",
+        "suffix (insertion) is not supported by this server",
+    ),
+    ("audio", "audio output is not supported by this server"),
+    ("modalities", "only text output is supported by this server"),
+    (
+        "prediction",
+        "predicted outputs are not supported by this server",
+    ),
+    (
+        "reasoning_effort",
+        "reasoning_effort is not supported by this server",
+    ),
+    (
+        "web_search_options",
+        "web search is not supported by this server",
+    ),
+    (
+        "guided_json",
+        "guided decoding is not supported by this server",
+    ),
+    (
+        "guided_regex",
+        "guided decoding is not supported by this server",
+    ),
+    (
+        "guided_choice",
+        "guided decoding is not supported by this server",
+    ),
+];
+
 impl Common {
+    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]); penalties other than 0
+    /// and top log-probabilities are refused the same way.
+    pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        for (field, why) in UNSUPPORTED {
+            if self.other.get(*field).is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::invalid(*why, field).code("unsupported_parameter"));
+            }
+        }
+        for (field, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid(
+                    format!("{field} other than 0 is not supported by this server"),
+                    field,
+                )
+                .code("unsupported_parameter"));
+            }
+        }
+        if self.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid(
+                "top_logprobs is not supported by this server (logprobs of the chosen tokens are)",
+                "top_logprobs",
+            )
+            .code("unsupported_parameter"));
+        }
+        Ok(())
+    }
+
     /// Stop strings (`stop` is a string or a list of strings).
     pub fn stops(&self) -> Result<Vec<String>, ApiError> {
         match &self.stop {

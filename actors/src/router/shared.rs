@@ -41,6 +41,9 @@ pub struct RouterShared {
     pub(super) next_id: AtomicU64,
     /// Requests being answered (what a graceful drain waits for).
     pub(super) open: std::sync::atomic::AtomicUsize,
+    /// When the served model was made (its file's modification time, else the router's
+    /// start), as Unix seconds: `/v1/models` `created`.
+    pub(super) created: u64,
     /// The router's estimate of each worker's prefix cache (cache-aware routing).
     pub(super) prefixes: Mutex<PrefixIndex>,
 }

@@ -60,6 +60,8 @@ pub(super) async fn stream_response(
         first: bool,
         done: bool,
         count: usize,
+        /// Prompt tokens served from a prefix cache (the usage chunk reports them).
+        cached: usize,
     }
     let chunk = move |choice: Value, usage: Value| -> Event {
         let object = if api == Api::Chat {
@@ -67,8 +69,9 @@ pub(super) async fn stream_response(
         } else {
             "text_completion"
         };
+        // No `system_fingerprint`: the schema wants a string when present, and Duet has none.
         let mut v = json!({"id": id, "object": object, "created": created, "model": model,
-            "system_fingerprint": null, "choices": [choice]});
+            "choices": [choice]});
         if choice_is_empty(&v) {
             v["choices"] = json!([]);
         }
@@ -84,6 +87,7 @@ pub(super) async fn stream_response(
             first: true,
             done: false,
             count: 0,
+            cached: 0,
         },
         move |mut st| {
             let chunk = chunk.clone();
@@ -108,6 +112,7 @@ pub(super) async fn stream_response(
                         if item.token.is_some() {
                             st.count += 1;
                         }
+                        st.cached += item.cached_tokens;
                         let lp = if logprobs && item.token.is_some() {
                             let one = [(0, item.logprob, item.text.clone())];
                             if api == Api::Chat {
@@ -129,7 +134,8 @@ pub(super) async fn stream_response(
                         out.push(Ok(chunk(choice, Value::Null)));
                         if item.finish.is_some() {
                             if include_usage {
-                                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": st.count, "total_tokens": prompt_tokens + st.count});
+                                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": st.count, "total_tokens": prompt_tokens + st.count,
+                                    "prompt_tokens_details": {"cached_tokens": st.cached}});
                                 out.push(Ok(chunk(Value::Null, usage)));
                             }
                             out.push(Ok(Event::default().data("[DONE]")));

@@ -1,0 +1,241 @@
+//! The OpenAI API as strict clients and conformance checkers read it (issue 20), on a real
+//! cluster (the tiny model: router, prefill, decode) through curl:
+//!
+//! - no `null` where the schema wants a string (`system_fingerprint` is omitted);
+//! - `model` is required (400 naming it); a field Duet does not implement (`tools`,
+//!   `response_format`, `logit_bias`, non-zero penalties, `top_logprobs`, ...) is a 400 naming
+//!   the field, at once, not a request run to the context limit; `null` counts as absent;
+//! - streamed usage carries `prompt_tokens_details.cached_tokens`;
+//! - `/v1/models` gives `max_model_len` and a real `created`;
+//! - 404 and 405 are OpenAI-shaped;
+//! - with `api_keys`, the public API needs `Authorization: Bearer KEY` (401 otherwise) while
+//!   `/health`, `/ready` and `/metrics` stay open.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+/// One request through curl: status and body (JSON, or `Null`).
+async fn request(
+    http: u16,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    key: Option<&str>,
+) -> (u16, Value) {
+    let mut cmd = tokio::process::Command::new("curl");
+    cmd.args([
+        "-s",
+        "--max-time",
+        "60",
+        "-w",
+        "\n%{http_code}",
+        "-X",
+        method,
+    ])
+    .arg("-H")
+    .arg("content-type: application/json");
+    if let Some(k) = key {
+        cmd.arg("-H").arg(format!("authorization: Bearer {k}"));
+    }
+    if let Some(b) = body {
+        cmd.arg("-d").arg(b.to_string());
+    }
+    let out = cmd
+        .arg(format!("http://127.0.0.1:{http}{path}"))
+        .output()
+        .await
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(json_text).unwrap_or(Value::Null),
+    )
+}
+
+fn assert_openai_error(v: &Value, param: Option<&str>) {
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    if let Some(p) = param {
+        assert_eq!(e["param"], p, "{v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_fields_and_errors_follow_the_openai_schema() {
+    let c = ClusterDir::tiny(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        "",
+    );
+    let _up = Running::up(&c.config).await;
+    let http = c.http;
+    router_ready(http, 2).await;
+    let model = served_model(http);
+
+    // No null system_fingerprint, in either endpoint, streamed or not.
+    let ok = json!({"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 3});
+    let (code, v) = request(http, "POST", "/v1/completions", Some(&ok), None).await;
+    assert_eq!(code, 200, "{v}");
+    assert!(v.get("system_fingerprint").is_none(), "{v}");
+    let chat =
+        json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+    let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&chat), None).await;
+    assert_eq!(code, 200, "{v}");
+    assert!(v.get("system_fingerprint").is_none(), "{v}");
+    assert!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64(),
+        "{v}"
+    );
+
+    // Streamed usage has the cached tokens (a prompt sent twice is cached the second time).
+    let long: Vec<u32> = (0..40).map(|i| 20 + i).collect();
+    let streamed = json!({"model": model, "prompt": long, "max_tokens": 2, "stream": true,
+                          "stream_options": {"include_usage": true}});
+    let mut cached = Vec::new();
+    for _ in 0..2 {
+        let child = curl_stream(http, &streamed, Stdio::piped());
+        let out = child.wait_with_output().await.expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let chunks: Vec<Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+            .collect();
+        assert!(
+            chunks.iter().all(|c| c.get("system_fingerprint").is_none()),
+            "{text}"
+        );
+        let usage = chunks
+            .iter()
+            .find(|c| !c["usage"].is_null())
+            .map(|c| c["usage"].clone())
+            .unwrap_or_else(|| panic!("no usage chunk: {text}"));
+        cached.push(
+            usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no cached_tokens in {usage}")),
+        );
+    }
+    assert!(cached[1] > cached[0], "cached tokens {cached:?}");
+
+    // `model` is required; a wrong one is 404 model_not_found.
+    let (code, v) = request(
+        http,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"prompt": "x"})),
+        None,
+    )
+    .await;
+    assert_eq!(code, 400, "{v}");
+    assert_openai_error(&v, Some("model"));
+    let (code, v) = request(
+        http,
+        "POST",
+        "/v1/completions",
+        Some(&json!({"model": "gpt-4", "prompt": "x"})),
+        None,
+    )
+    .await;
+    assert_eq!(code, 404, "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+
+    // Unimplemented fields: 400 naming each, at once (never a generation to the limit).
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    for (field, value, path) in [
+        ("tools", tool.clone(), "/v1/chat/completions"),
+        ("tool_choice", json!("auto"), "/v1/chat/completions"),
+        (
+            "response_format",
+            json!({"type": "json_object"}),
+            "/v1/chat/completions",
+        ),
+        ("logit_bias", json!({"5": 10}), "/v1/completions"),
+        ("echo", json!(true), "/v1/completions"),
+        ("presence_penalty", json!(0.5), "/v1/completions"),
+        ("frequency_penalty", json!(-1.0), "/v1/chat/completions"),
+        ("top_logprobs", json!(3), "/v1/chat/completions"),
+    ] {
+        let mut body = if path == "/v1/completions" {
+            ok.clone()
+        } else {
+            chat.clone()
+        };
+        body[field] = value;
+        body["max_tokens"] = json!(100_000);
+        let t = Instant::now();
+        let (code, v) = request(http, "POST", path, Some(&body), None).await;
+        assert_eq!(code, 400, "{field}: {v}");
+        assert_openai_error(&v, Some(field));
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{field} took {:?}",
+            t.elapsed()
+        );
+    }
+    // null and zero mean "not set": served.
+    let mut unset = chat.clone();
+    unset["tools"] = Value::Null;
+    unset["presence_penalty"] = json!(0);
+    unset["user"] = json!("someone");
+    let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&unset), None).await;
+    assert_eq!(code, 200, "{v}");
+
+    // /v1/models: max_model_len and a real created.
+    let (code, v) = request(http, "GET", "/v1/models", None, None).await;
+    assert_eq!(code, 200, "{v}");
+    let m = &v["data"][0];
+    assert!(m["max_model_len"].as_u64().is_some_and(|n| n > 0), "{v}");
+    assert!(
+        m["created"].as_u64().is_some_and(|t| t > 1_600_000_000),
+        "{v}"
+    );
+
+    // 404 and 405, OpenAI-shaped.
+    let (code, v) = request(http, "GET", "/v1/nothing", None, None).await;
+    assert_eq!(code, 404, "{v}");
+    assert_openai_error(&v, None);
+    let (code, v) = request(http, "GET", "/v1/completions", None, None).await;
+    assert_eq!(code, 405, "{v}");
+    assert_openai_error(&v, None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_keys_guard_the_public_api_and_leave_probes_open() {
+    let key = "sk-duet-test-0123456789abcdef";
+    let c = ClusterDir::tiny(
+        &[("router", "router"), ("d0", "decode")],
+        &format!("api_keys = [\"{key}\"]\n"),
+    );
+    let _up = Running::up(&c.config).await;
+    let http = c.http;
+    router_ready(http, 1).await;
+    let body = json!({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2});
+    let (code, v) = request(http, "POST", "/v1/completions", Some(&body), None).await;
+    assert_eq!(code, 401, "{v}");
+    assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+    let (code, v) = request(
+        http,
+        "POST",
+        "/v1/completions",
+        Some(&body),
+        Some("sk-wrong-wrong-wrong-wrong"),
+    )
+    .await;
+    assert_eq!(code, 401, "{v}");
+    let (code, v) = request(http, "GET", "/v1/models", None, None).await;
+    assert_eq!(code, 401, "{v}");
+    let (code, v) = request(http, "POST", "/v1/completions", Some(&body), Some(key)).await;
+    assert_eq!(code, 200, "{v}");
+    for probe in ["/health", "/ready"] {
+        let (code, v) = request(http, "GET", probe, None, None).await;
+        assert_eq!(code, 200, "{probe}: {v}");
+    }
+}
