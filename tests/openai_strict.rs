@@ -198,6 +198,43 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         "{v}"
     );
 
+    // Metrics an operator charts first, under vLLM's names (duet_ prefixed), with model_name,
+    // `# HELP` on every family, `_total` on counters only.
+    let out = tokio::process::Command::new("curl")
+        .args(["-s", &format!("http://127.0.0.1:{http}/metrics")])
+        .output()
+        .await
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for name in [
+        "duet_prompt_tokens_total",
+        "duet_generation_tokens_total",
+        "duet_prefix_cache_queries_total",
+        "duet_prefix_cache_hits_total",
+        "duet_request_prompt_tokens_bucket",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(name) && l.contains(&format!("model_name=\"{model}\""))),
+            "no {name} with model_name in:\n{text}"
+        );
+    }
+    let helped: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# HELP "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    for l in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let mut it = l.split(' ');
+        let (name, kind) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
+        assert!(helped.contains(&name), "{name} has no # HELP");
+        assert_eq!(
+            kind == "counter",
+            name.ends_with("_total"),
+            "{name} is a {kind}"
+        );
+    }
+
     // 404 and 405, OpenAI-shaped.
     let (code, v) = request(http, "GET", "/v1/nothing", None, None).await;
     assert_eq!(code, 404, "{v}");

@@ -63,6 +63,7 @@ pub(crate) async fn report_load(
     ctx: Arc<NodeContext>,
     interval: Duration,
     load: Arc<Mutex<LoadReport>>,
+    model_name: String,
 ) {
     let mut tick = tokio::time::interval(interval);
     loop {
@@ -85,6 +86,17 @@ pub(crate) async fn report_load(
         metrics::gauge!(m::KV_PAGES_USED).set((report.total_pages - report.free_pages) as f64);
         metrics::gauge!(m::SEQS_RUNNING).set(report.running as f64);
         metrics::gauge!(m::SEQS_WAITING).set(report.waiting as f64);
+        // The same figures under the names vLLM and SGLang users chart first.
+        let model = model_name.clone();
+        metrics::gauge!(m::NUM_REQUESTS_RUNNING, "model_name" => model.clone())
+            .set(report.running as f64);
+        metrics::gauge!(m::NUM_REQUESTS_WAITING, "model_name" => model.clone())
+            .set(report.waiting.saturating_sub(report.running) as f64);
+        let used = report
+            .total_pages
+            .saturating_sub(report.free_pages + report.cached_pages);
+        metrics::gauge!(m::KV_CACHE_USAGE, "model_name" => model)
+            .set(used as f64 / report.total_pages.max(1) as f64);
         let body = wire::encode_body(&report);
         for r in &routers {
             if let Ok(link) = ctx.links.get(r) {

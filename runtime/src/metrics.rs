@@ -5,6 +5,17 @@
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
+/// Help text of the new operator-facing metrics comes from these doc comments as well: each
+/// constant's doc comment is its `# HELP` line.
+macro_rules! names {
+    ($( $(#[doc = $doc:expr])+ pub const $name:ident: &str = $value:literal; )*) => {
+        $( $(#[doc = $doc])+ pub const $name: &str = $value; )*
+        /// Every name with its help text (its doc comment), for `# HELP` and the duplicate check.
+        pub const ALL: &[(&str, &str)] = &[ $( ($value, concat!($($doc),+)) ),* ];
+    };
+}
+
+names! {
 /// Restarts performed by supervisors, by actor kind.
 pub const ACTOR_RESTARTS: &str = "duet_actor_restarts_total";
 /// Supervisors that gave up and escalated to their parent, by the failing child's kind.
@@ -112,61 +123,32 @@ pub const KV_BYTES_RECEIVED: &str = "duet_kv_bytes_received_total";
 pub const TRANSFERS: &str = "duet_transfers_total";
 /// Prefill chunks computed on prefill workers.
 pub const PREFILL_CHUNKS: &str = "duet_prefill_chunks_total";
-
-/// All names, for the duplicate check.
-pub const ALL: &[&str] = &[
-    ACTOR_RESTARTS,
-    SUPERVISOR_ESCALATIONS,
-    LINK_CONNECTS,
-    LINK_HANDSHAKE_FAILURES,
-    LINK_FRAME_ERRORS,
-    LINK_MESSAGES_SENT,
-    LINK_MESSAGES_RECEIVED,
-    LINK_UNDELIVERED,
-    LINK_LATE_ANSWERS,
-    PEER_UP,
-    PEER_TRANSITIONS,
-    ADMIN_UNAUTHORIZED,
-    ROUTER_RETRIES,
-    STALE_MESSAGES,
-    DRAIN_TIMEOUTS,
-    ROUTER_MIGRATIONS,
-    MIGRATION_KEEPS_BROKEN,
-    KV_PAGES_KEPT,
-    ROUTER_REQUESTS,
-    KV_PAGES_TOTAL,
-    KV_PAGES_FREE,
-    KV_PAGES_CACHED,
-    KV_PAGES_PINNED,
-    SEQS_RUNNING,
-    SEQS_WAITING,
-    ROUTER_ROUTES,
-    ROUTER_CACHE_ROUTES,
-    DECODE_LOCAL_PREFILLS,
-    BOOTSTRAP_QUEUE,
-    PREALLOC_QUEUE,
-    BOOTSTRAP_WAIT,
-    PREFILL_QUEUE_WAIT,
-    PREFILL_SECONDS,
-    TRANSFER_LATENCY,
-    TRANSFER_GBPS,
-    TRANSFER_EXPOSED,
-    TRANSFER_WRITE,
-    KV_BYTES_SENT,
-    KV_BYTES_RECEIVED,
-    TRANSFERS,
-    PREFILL_CHUNKS,
-    ROUTER_TTFT,
-    ROUTER_ITL,
-    ROUTER_E2E,
-    KV_PAGES_QUARANTINED,
-    QUARANTINE_STALLS,
-    KV_WRITES_REFUSED,
-    KV_PAGES_USED,
-    TRANSFER_ABORTS,
-    KV_CHECKSUM_FAILURES,
-    KV_VERIFY,
-];
+/// Prompt tokens of the requests the router served, by `model_name` (vLLM's
+/// `vllm:prompt_tokens_total`, SGLang's `sglang:prompt_tokens_total`).
+pub const PROMPT_TOKENS: &str = "duet_prompt_tokens_total";
+/// Tokens generated for the router's requests, by `model_name` (vLLM's
+/// `vllm:generation_tokens_total`, SGLang's `sglang:generation_tokens_total`).
+pub const GENERATION_TOKENS: &str = "duet_generation_tokens_total";
+/// Prompt tokens looked up in a prefix cache, by `model_name` (vLLM's
+/// `vllm:prefix_cache_queries_total`).
+pub const PREFIX_CACHE_QUERIES: &str = "duet_prefix_cache_queries_total";
+/// Prompt tokens found in a prefix cache, by `model_name` (vLLM's `vllm:prefix_cache_hits_total`).
+pub const PREFIX_CACHE_HITS: &str = "duet_prefix_cache_hits_total";
+/// Prompt tokens per finished request, by `model_name` (vLLM's `vllm:request_prompt_tokens`).
+pub const REQUEST_PROMPT_TOKENS: &str = "duet_request_prompt_tokens";
+/// Generated tokens per finished request, by `model_name` (vLLM's
+/// `vllm:request_generation_tokens`).
+pub const REQUEST_GENERATION_TOKENS: &str = "duet_request_generation_tokens";
+/// Requests running on a worker, by `model_name` (vLLM's `vllm:num_requests_running`,
+/// SGLang's `sglang:num_running_reqs`).
+pub const NUM_REQUESTS_RUNNING: &str = "duet_num_requests_running";
+/// Requests waiting on a worker, by `model_name` (vLLM's `vllm:num_requests_waiting`,
+/// SGLang's `sglang:num_queue_reqs`).
+pub const NUM_REQUESTS_WAITING: &str = "duet_num_requests_waiting";
+/// Fraction of a worker's KV pages in use, 0 to 1, by `model_name` (vLLM's
+/// `vllm:kv_cache_usage_perc`, SGLang's `sglang:token_usage`).
+pub const KV_CACHE_USAGE: &str = "duet_kv_cache_usage_perc";
+}
 
 /// Histogram buckets for latencies, in seconds (sub-millisecond transfers to minute-long
 /// requests).
@@ -176,6 +158,10 @@ const SECONDS_BUCKETS: &[f64] = &[
 ];
 
 /// Histogram buckets for throughputs, in GB/s.
+/// Token counts per request (prompt and output lengths), powers of two.
+const TOKENS_BUCKETS: &[f64] = &[
+    1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
+];
 const GBPS_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.
@@ -189,6 +175,18 @@ pub fn install() -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
                 .and_then(|b| {
                     b.set_buckets_for_metric(Matcher::Suffix("_gbps".into()), GBPS_BUCKETS)
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(REQUEST_PROMPT_TOKENS.into()),
+                        TOKENS_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(REQUEST_GENERATION_TOKENS.into()),
+                        TOKENS_BUCKETS,
+                    )
                 });
             let recorder = match builder {
                 Ok(b) => b.build_recorder(),
@@ -198,6 +196,10 @@ pub fn install() -> PrometheusHandle {
             // Fails only if another recorder was installed first, in which case our handle
             // simply renders nothing; never fatal for a node.
             let _ = metrics::set_global_recorder(recorder);
+            // `# HELP` for every metric: its constant's doc comment.
+            for (name, help) in ALL {
+                metrics::describe_gauge!(*name, help.trim());
+            }
             handle
         })
         .clone()
@@ -212,9 +214,10 @@ mod tests {
     #[test]
     fn names_are_unique_and_prefixed() {
         let mut seen = HashSet::new();
-        for name in ALL {
+        for (name, help) in ALL {
             assert!(name.starts_with("duet_"), "{name} lacks the duet_ prefix");
             assert!(seen.insert(name), "{name} is defined twice");
+            assert!(help.trim().len() > 10, "{name} has no help text");
         }
     }
 }

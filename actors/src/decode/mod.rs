@@ -288,7 +288,12 @@ impl Actor for DecodeWorker {
         }
         let forwarder = tokio::spawn(forward_tokens(ctx.clone(), incarnation, out_rx));
         install_drain_probe(&ctx, "decode worker", &load, settings.shutdown_drain);
-        let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
+        let reporter = tokio::spawn(report_load(
+            ctx.clone(),
+            settings.load_interval,
+            load,
+            settings.model_name.clone(),
+        ));
         ctx.services.register(WORKER_SERVICE, myself.clone());
         ctx.membership
             .events

@@ -193,7 +193,12 @@ impl Actor for PrefillWorker {
                 .spawn(move || core.run(cmd_rx))?;
         }
         install_drain_probe(&ctx, "prefill worker", &load, settings.shutdown_drain);
-        let reporter = tokio::spawn(report_load(ctx.clone(), settings.load_interval, load));
+        let reporter = tokio::spawn(report_load(
+            ctx.clone(),
+            settings.load_interval,
+            load,
+            settings.model_name.clone(),
+        ));
         let heartbeat = tokio::spawn(heartbeats(
             ctx.clone(),
             settings.load_interval,

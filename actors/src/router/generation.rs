@@ -35,6 +35,8 @@ pub(super) struct Generation {
     span: tracing::Span,
     arrived: std::time::Instant,
     last_token: Option<std::time::Instant>,
+    /// Prompt tokens a prefix cache served (the operator metrics count them at the end).
+    cached: usize,
 }
 
 /// Starts an attempt, asking again while the policy says so: waiting (free) while no worker
@@ -118,6 +120,7 @@ impl Generation {
             span: tracing::Span::current(),
             arrived,
             last_token: None,
+            cached: 0,
         })
     }
 
@@ -226,9 +229,12 @@ impl Generation {
                     }
                 }
             }
+            self.cached += item.cached_tokens;
             if let Some(token) = item.token {
                 self.generated.push(token);
                 self.emitted += item.text.len();
+                let model = self.shared.settings.model_name.clone();
+                metrics::counter!(m::GENERATION_TOKENS, "model_name" => model).increment(1);
                 let now = std::time::Instant::now();
                 match self.last_token {
                     None => {
@@ -246,6 +252,18 @@ impl Generation {
             if let Some(reason) = item.finish {
                 self.finished = true;
                 metrics::histogram!(m::ROUTER_E2E).record(self.arrived.elapsed().as_secs_f64());
+                let model = self.shared.settings.model_name.clone();
+                let prompt = self.prompt.len() as u64;
+                metrics::counter!(m::PROMPT_TOKENS, "model_name" => model.clone())
+                    .increment(prompt);
+                metrics::counter!(m::PREFIX_CACHE_QUERIES, "model_name" => model.clone())
+                    .increment(prompt);
+                metrics::counter!(m::PREFIX_CACHE_HITS, "model_name" => model.clone())
+                    .increment(self.cached.min(self.prompt.len()) as u64);
+                metrics::histogram!(m::REQUEST_PROMPT_TOKENS, "model_name" => model.clone())
+                    .record(prompt as f64);
+                metrics::histogram!(m::REQUEST_GENERATION_TOKENS, "model_name" => model)
+                    .record(self.generated.len() as f64);
                 self.span.record("completion_tokens", self.generated.len());
                 self.span
                     .record("finish_reason", format!("{reason:?}").to_lowercase());
