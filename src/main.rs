@@ -43,6 +43,19 @@ enum Command {
         #[arg(long, default_value = "cluster.toml")]
         config: PathBuf,
     },
+    /// Serve one model on this machine without a cluster file: a router and one colocated
+    /// worker on loopback (what `vllm serve MODEL` starts), until Ctrl-C.
+    Serve {
+        /// The GGUF to serve (default: SmolLM2-135M-Instruct, fetched if missing).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The OpenAI API's port on 127.0.0.1.
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// The name clients give as `model` (default: the file's name without `.gguf`).
+        #[arg(long)]
+        served_model_name: Option<String>,
+    },
     /// Run one node of the cluster in the foreground.
     Node {
         /// The cluster file.
@@ -207,6 +220,11 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Up { config } => up::run(&config).await,
+        Command::Serve {
+            model,
+            port,
+            served_model_name,
+        } => up::serve(model, port, served_model_name).await,
         Command::Node {
             config,
             name,

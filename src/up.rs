@@ -134,6 +134,67 @@ fn describe(status: &Result<ExitStatus, String>) -> String {
 }
 
 /// Runs `duet up`.
+/// `duet serve`: writes a one-router, one-worker cluster file (loopback only, credentials
+/// beside it) into a private temporary folder and runs it as `duet up` does.
+pub async fn serve(model: Option<PathBuf>, port: u16, name: Option<String>) -> ExitCode {
+    let model = match model {
+        Some(m) => match std::path::absolute(&m) {
+            Ok(m) if m.exists() => m,
+            _ => {
+                eprintln!("error: --model {}: no such file", m.display());
+                return ExitCode::from(2);
+            }
+        },
+        None => match std::path::absolute(PathBuf::from("models").join(duet_fetch::MODEL_FILE)) {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let name = name.unwrap_or_else(|| {
+        if model.ends_with(duet_fetch::MODEL_FILE) {
+            "SmolLM2-135M-Instruct".to_string()
+        } else {
+            model
+                .file_stem()
+                .map_or_else(|| "model".to_string(), |f| f.to_string_lossy().into_owned())
+        }
+    });
+    let dir = match tempfile::Builder::new().prefix("duet-serve-").tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: cannot make a folder for the cluster file: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ports = duet_runtime::testing::free_loopback_ports(2);
+    // TOML strings: the path and name escaped as JSON strings are valid TOML basic strings.
+    let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    let text = format!(
+        "[cluster]\nname = \"duet-serve\"\n[serving]\nmodel = {}\nmodel_name = {}\n\
+         http = \"127.0.0.1:{port}\"\n\
+         [[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:{}\"\n\
+         [[node]]\nname = \"w0\"\nrole = \"decode\"\naddress = \"127.0.0.1:{}\"\n",
+        quote(&model.to_string_lossy()),
+        quote(&name),
+        ports[0],
+        ports[1],
+    );
+    let config = dir.path().join("cluster.toml");
+    if let Err(e) = std::fs::write(&config, text) {
+        eprintln!("error: {}: {e}", config.display());
+        return ExitCode::FAILURE;
+    }
+    eprintln!(
+        "serving {} as `{name}` (cluster file {})",
+        model.display(),
+        config.display()
+    );
+    run(&config).await
+}
+
 pub async fn run(config_path: &Path) -> ExitCode {
     let mut signals = ShutdownSignals::new();
     let config = match ClusterConfig::load(config_path) {

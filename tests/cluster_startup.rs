@@ -131,3 +131,38 @@ async fn a_cuda_device_that_cannot_open_fails_the_start_naming_the_node_and_key(
         assert!(!out.contains("panicked"), "{out}");
     }
 }
+
+/// `duet serve --model FILE --port N`: one model on loopback without a cluster file, named by
+/// the file, served through the OpenAI API until SIGTERM; a missing file is a clear error.
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_runs_one_model_without_a_cluster_file() {
+    let c = ClusterDir::tiny(&[("router", "router"), ("d0", "decode")], "");
+    let model = c.dir.path().join("tiny.gguf");
+    assert!(
+        model.exists(),
+        "the tiny model is written by ClusterDir::tiny"
+    );
+    let port = free_ports(1)[0];
+    let port_s = port.to_string();
+    let up = Running::start(
+        &["serve", "--model", path_str(&model), "--port", &port_s],
+        "ready",
+    )
+    .await;
+    router_ready(port, 1).await;
+    assert_eq!(served_model(port), "tiny");
+    let (code, v) = curl_completion(
+        port,
+        &serde_json::json!({"prompt": [5, 6, 7], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    drop(up);
+    let missing = duet(&["serve", "--model", "/nonexistent/x.gguf"]).await;
+    assert_eq!(missing.status.code(), Some(2), "{}", missing.stderr);
+    assert!(
+        missing.stderr.contains("no such file"),
+        "{}",
+        missing.stderr
+    );
+}

@@ -252,9 +252,13 @@ async fn a_stopped_prefill_node_fails_its_rooms_fast_and_rejoins() {
     let http = free_ports(1)[0];
     let c = ClusterDir::new(
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        // A retry the router sent while p0 was stopped reaches p0's bootstrap queue after
+        // SIGCONT, with its cancel and decode's failure lost to the links that were down: it
+        // waits there for pages until the bootstrap deadline, which must come before the
+        // quiet check gives up (30 s).
         &format!(
             "{}\n[membership]\nheartbeat_interval_ms = 100\nfailure_threshold = 10\n",
-            serving(http, "")
+            serving(http, "bootstrap_timeout_secs = 10\n")
         ),
     );
     c.credentials(&c.config).await;

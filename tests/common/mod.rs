@@ -27,24 +27,46 @@ pub fn real_model() -> PathBuf {
 }
 
 /// The model the router on `http` serves, as `/v1/models` names it (every request must name
-/// it, as the OpenAI API requires); asked once per port.
+/// it, as the OpenAI API requires). Remembered per port; [`forget_model`] drops it (a later
+/// cluster on the same port may serve another model).
 pub fn served_model(http: u16) -> String {
-    static SEEN: std::sync::Mutex<Vec<(u16, String)>> = std::sync::Mutex::new(Vec::new());
-    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, m)) = seen.iter().find(|(p, _)| *p == http) {
+    if let Some((_, m)) = SERVED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(p, _)| *p == http)
+    {
         return m.clone();
     }
-    let out = std::process::Command::new("curl")
-        .args(["-s", "--max-time", "10"])
-        .arg(format!("http://127.0.0.1:{http}/v1/models"))
-        .output()
-        .expect("curl");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    let model = v["data"][0]["id"].as_str().unwrap_or("unknown").to_string();
-    if model != "unknown" {
-        seen.push((http, model.clone()));
+    // A router busy starting or restarting may not answer at once: ask a few times.
+    for _ in 0..20 {
+        let out = std::process::Command::new("curl")
+            .args(["-s", "--max-time", "5"])
+            .arg(format!("http://127.0.0.1:{http}/v1/models"))
+            .output()
+            .expect("curl");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if let Some(model) = v["data"][0]["id"].as_str() {
+            SERVED
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((http, model.to_string()));
+            return model.to_string();
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
-    model
+    "unknown".to_string()
+}
+
+/// The models seen per router port.
+static SERVED: std::sync::Mutex<Vec<(u16, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Forgets the model remembered for `http`.
+pub fn forget_model(http: u16) {
+    SERVED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(p, _)| *p != http);
 }
 
 /// `body` naming the served model, unless it names one (or is not an object).
@@ -61,8 +83,18 @@ pub fn with_model(http: u16, body: &Value) -> Value {
 /// One `/v1/completions` request through curl (a real HTTP client): the status and the body
 /// (`Null` when it is not JSON). The body names the served model unless it names one.
 pub async fn curl_completion(http: u16, body: &Value) -> (u16, Value) {
+    let named = body.get("model").is_some();
+    let (code, v) = curl_completion_once(http, &with_model(http, body)).await;
+    if !named && code == 404 && v["error"]["code"] == "model_not_found" {
+        // The port's earlier cluster served another model: ask this one.
+        forget_model(http);
+        return curl_completion_once(http, &with_model(http, body)).await;
+    }
+    (code, v)
+}
+
+async fn curl_completion_once(http: u16, body: &Value) -> (u16, Value) {
     use tokio::io::AsyncWriteExt;
-    let body = &with_model(http, body);
     // The body goes through stdin: a command-line argument is limited to 128 KiB.
     let mut curl = Command::new("curl")
         .args(["-s", "--max-time", "120", "-w", "\n%{http_code}", "-H"])
