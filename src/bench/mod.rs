@@ -219,6 +219,18 @@ async fn plain(args: &BenchArgs) -> Result<(), String> {
         summary.e2e_p50_ms,
         summary.e2e_p99_ms
     );
+    println!("  ms         mean      p50      p90      p95      p99");
+    for (name, d) in [
+        ("TTFT", summary.ttft_ms),
+        ("TPOT", summary.tpot_ms),
+        ("ITL", summary.itl_ms),
+        ("E2E", summary.e2e_ms),
+    ] {
+        println!(
+            "  {name:<6} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+            d.mean, d.p50, d.p90, d.p95, d.p99
+        );
+    }
     if let Some(path) = &args.json {
         let out = serde_json::json!({
             "summary": summary,

@@ -105,6 +105,59 @@ pub struct Summary {
     pub e2e_p50_ms: f64,
     /// End-to-end latency, ms.
     pub e2e_p99_ms: f64,
+    /// Mean and percentiles, ms, as `vllm bench serve` and SGLang's `bench_serving` report
+    /// them: time to first token, time per output token (per request: the time after the first
+    /// token over the tokens after it), inter-token latency (every gap), end to end.
+    pub ttft_ms: Dist,
+    /// See [`Summary::ttft_ms`].
+    pub tpot_ms: Dist,
+    /// See [`Summary::ttft_ms`].
+    pub itl_ms: Dist,
+    /// See [`Summary::ttft_ms`].
+    pub e2e_ms: Dist,
+}
+
+/// Mean and percentiles of one latency, ms.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Dist {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 95th percentile.
+    pub p95: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Dist {
+    /// Of `seconds` (in ms); zeros when empty.
+    pub fn of(seconds: &[f64]) -> Dist {
+        let v: Vec<f64> = seconds.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return Dist::default();
+        }
+        let q = |q| percentile(&v, q).map_or(0.0, |x| x * 1e3);
+        Dist {
+            mean: v.iter().sum::<f64>() / v.len() as f64 * 1e3,
+            p50: q(0.5),
+            p90: q(0.9),
+            p95: q(0.95),
+            p99: q(0.99),
+        }
+    }
+}
+
+/// Time per output token of a finished request: (last token - first token) / (tokens - 1).
+pub fn tpot_s(r: &RequestRecord) -> Option<f64> {
+    match (r.ttft_s, r.e2e_s) {
+        (Some(first), Some(last)) if r.tokens > 1 && r.error.is_none() => {
+            Some((last - first) / (r.tokens - 1) as f64)
+        }
+        _ => None,
+    }
 }
 
 /// Summarises `records` of a run that lasted `seconds`.
@@ -139,6 +192,10 @@ pub fn summarize(records: &[RequestRecord], seconds: f64, slo: Slo) -> Summary {
         } else {
             good as f64 / records.len() as f64
         },
+        ttft_ms: Dist::of(&ttft),
+        tpot_ms: Dist::of(&records.iter().filter_map(tpot_s).collect::<Vec<_>>()),
+        itl_ms: Dist::of(&itl),
+        e2e_ms: Dist::of(&e2e),
         ttft_p50_ms: ms(ttft.clone(), 0.5),
         ttft_p99_ms: ms(ttft, 0.99),
         itl_p50_ms: ms(itl.clone(), 0.5),
@@ -221,6 +278,41 @@ mod tests {
         assert_eq!(s.slo_attainment, 0.25);
         assert_eq!(s.ttft_p50_ms, 100.0);
         assert_eq!(s.itl_p99_ms, 500.0);
+        // The distributions agree with the percentiles above; the mean ITL is over every gap.
+        assert_eq!(s.ttft_ms.p50, 100.0);
+        assert!(
+            (s.itl_ms.mean - (0.02 + 0.03 + 0.02 + 0.03 + 0.02 + 0.5) / 6.0 * 1e3).abs() < 1e-9
+        );
+    }
+
+    #[test]
+    fn tpot_is_the_time_after_the_first_token_over_the_tokens_after_it() {
+        let r = RequestRecord {
+            ttft_s: Some(0.5),
+            e2e_s: Some(1.5),
+            tokens: 11,
+            ..Default::default()
+        };
+        assert_eq!(tpot_s(&r), Some(0.1));
+        assert_eq!(
+            tpot_s(&RequestRecord {
+                tokens: 1,
+                ..r.clone()
+            }),
+            None
+        );
+        assert_eq!(
+            tpot_s(&RequestRecord {
+                error: Some("x".into()),
+                ..r
+            }),
+            None
+        );
+        let d = Dist::of(&[0.001, 0.002, 0.003, 0.004]);
+        assert_eq!(
+            (d.mean, d.p50, d.p90, d.p95, d.p99),
+            (2.5, 2.0, 4.0, 4.0, 4.0)
+        );
     }
 
     #[test]

@@ -8,9 +8,10 @@
 //! worker evicted (then the worker computes more than the router hoped; nothing is wrong).
 //! A worker whose incarnation changes lost its cache: its entries are dropped.
 //!
-//! The choice ([`choose`]) prefers the longest match among the workers whose load is within a
-//! slack of the least loaded one ("when load allows"); when no worker matches, or the loads
-//! are apart, it falls back to the load-only choice. Sans-IO: time is a counter, and the tests
+//! The choice ([`choose`]) takes the worker with the least work once the prompt is added (its
+//! queue plus the part of the prompt it does not hold), so a cached prefix counts for exactly
+//! the compute it saves; when no worker holds any of the prompt it falls back to the load-only
+//! choice. Sans-IO: time is a counter, and the tests
 //! drive it directly.
 
 use std::collections::{BTreeMap, HashMap};
@@ -116,24 +117,23 @@ pub struct Candidate {
     pub matched_tokens: usize,
 }
 
-/// How much more loaded than the least loaded worker a worker may be and still be chosen
-/// for its cache: a prefill chunk's worth of work (a cached prefix saves at least that).
-pub const LOAD_SLACK_TOKENS: usize = 512;
-
-/// The candidate with the longest match among those within [`LOAD_SLACK_TOKENS`] (and half
-/// again) of the least loaded; `None` when nobody matches (the caller picks by load alone).
-pub fn choose(candidates: &[Candidate]) -> Option<&Candidate> {
-    let min = candidates.iter().map(|c| c.load).min()?;
-    let allowed = min + LOAD_SLACK_TOKENS.max(min / 2);
-    candidates
-        .iter()
-        .filter(|c| c.load <= allowed && c.matched_tokens > 0)
-        // Longest match; then the less loaded.
-        .max_by(|a, b| {
-            a.matched_tokens
-                .cmp(&b.matched_tokens)
-                .then(b.load.cmp(&a.load))
-        })
+/// The candidate with the least work once this prompt is added: its queue plus the part of
+/// the prompt it does not hold. A cached prefix is worth exactly the compute it saves, so a
+/// worker holding a long prefix wins over an idle one only while its queue is shorter than
+/// that prefix ("when load allows"), and a burst of requests sharing a short prefix still
+/// spreads. Ties go to the longer match, then the lighter load. `None` when nobody holds any
+/// of the prompt (the caller picks by load alone, with its randomness).
+pub fn choose(candidates: &[Candidate], prompt_tokens: usize) -> Option<&Candidate> {
+    if candidates.iter().all(|c| c.matched_tokens == 0) {
+        return None;
+    }
+    candidates.iter().min_by(|a, b| {
+        let cost = |c: &Candidate| c.load + prompt_tokens.saturating_sub(c.matched_tokens);
+        cost(a)
+            .cmp(&cost(b))
+            .then(b.matched_tokens.cmp(&a.matched_tokens))
+            .then(a.load.cmp(&b.load))
+    })
 }
 
 #[cfg(test)]
@@ -194,20 +194,25 @@ mod tests {
     }
 
     #[test]
-    fn the_longest_match_wins_when_load_allows_and_load_wins_otherwise() {
-        // d1 holds the prefix and is a little busier: it wins.
-        let cs = [c("d0", 100, 0), c("d1", 300, 512)];
-        assert_eq!(choose(&cs).map(|c| c.worker.as_str()), Some("d1"));
-        // d1 is far busier: its cache does not pay for the queue; the caller picks by load.
-        let cs = [c("d0", 100, 0), c("d1", 5000, 512)];
-        assert_eq!(choose(&cs), None);
-        // Two matches: the longer; equal matches: the less loaded.
-        let cs = [c("d0", 0, 256), c("d1", 10, 512), c("d2", 5, 512)];
-        assert_eq!(choose(&cs).map(|c| c.worker.as_str()), Some("d2"));
-        // The slack grows with the load (half the least loaded's queue).
-        let cs = [c("d0", 4000, 0), c("d1", 5900, 64)];
-        assert_eq!(choose(&cs).map(|c| c.worker.as_str()), Some("d1"));
-        assert_eq!(choose(&[]), None);
-        assert_eq!(choose(&[c("d0", 0, 0)]), None, "nobody matches");
+    fn a_cached_prefix_counts_for_the_compute_it_saves() {
+        // A 600-token prompt; d1 holds 512 of it and has 300 tokens queued: 300 + 88 < 0 + 600.
+        let cs = [c("d0", 0, 0), c("d1", 300, 512)];
+        assert_eq!(choose(&cs, 600).map(|c| c.worker.as_str()), Some("d1"));
+        // d1 is far busier than its prefix saves: the idle worker wins.
+        let cs = [c("d0", 0, 0), c("d1", 5000, 512)];
+        assert_eq!(choose(&cs, 600).map(|c| c.worker.as_str()), Some("d0"));
+        // A short shared prefix (a chat template) does not herd a burst: one queued request
+        // outweighs it.
+        let cs = [c("d0", 56, 32), c("d1", 0, 0)];
+        assert_eq!(choose(&cs, 40).map(|c| c.worker.as_str()), Some("d1"));
+        // Equal cost: the longer match; then the lighter load.
+        let cs = [c("d0", 0, 256), c("d1", 256, 512), c("d2", 10, 512)];
+        assert_eq!(choose(&cs, 600).map(|c| c.worker.as_str()), Some("d2"));
+        assert_eq!(choose(&[], 10), None);
+        assert_eq!(
+            choose(&[c("d0", 0, 0), c("d1", 9, 0)], 10),
+            None,
+            "nobody matches"
+        );
     }
 }

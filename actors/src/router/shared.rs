@@ -166,6 +166,7 @@ impl RouterShared {
         let page = decode.layout.layout.page_size;
         let hashes = block_hashes(prompt, page);
         let record = |worker: &LoadReport| {
+            self.note_assigned(&worker.worker, prompt_len);
             if cache_aware {
                 self.prefixes
                     .lock()
@@ -219,6 +220,16 @@ impl RouterShared {
         }
     }
 
+    /// Counts a request just sent to `worker` in the router's copy of its load until the
+    /// worker's next report replaces it: a burst of requests arriving between two reports
+    /// (every `load_interval_ms`) would otherwise all see the same, stale, load.
+    fn note_assigned(&self, worker: &str, tokens: usize) {
+        if let Some((r, _)) = self.lock_workers().get_mut(worker) {
+            r.queued_tokens += tokens;
+            r.waiting += 1;
+        }
+    }
+
     /// The worker passing `keep` that holds the longest cached prefix of `prompt` when load
     /// allows (with the tokens it holds), else the less loaded of two (holding none, as far
     /// as the router knows, or what it holds).
@@ -253,7 +264,7 @@ impl RouterShared {
             })
             .collect();
         drop(index);
-        match affinity::choose(&candidates) {
+        match affinity::choose(&candidates, prompt.len()) {
             Some(best) => {
                 let tokens = best.matched_tokens;
                 let r = ready.into_iter().find(|r| r.worker == best.worker)?;
