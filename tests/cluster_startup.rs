@@ -66,13 +66,12 @@ async fn sigterm_drains_every_node() {
     }
 }
 
-/// `kv_transport = "rdma"` on a machine without an RDMA device (or a build without verbs) is
-/// a configuration error at start naming the node and the key, as a CUDA device is.
-#[tokio::test(flavor = "multi_thread")]
-async fn rdma_without_a_device_fails_the_start_naming_the_node_and_key() {
+/// Starts a tiny cluster with serving `keys` by `duet up` and `node` by `duet node`; both must
+/// refuse at once (exit 2 for `up`, nothing ready, no panic). Their stderr.
+async fn refused_at_start(keys: &str, node: &str) -> [String; 2] {
     let c = ClusterDir::tiny(
         &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        "kv_transport = \"rdma\"\n",
+        keys,
     );
     let config = path_str(&c.config);
     let up = tokio::time::timeout(Duration::from_secs(60), duet(&["up", "--config", config]))
@@ -80,22 +79,31 @@ async fn rdma_without_a_device_fails_the_start_naming_the_node_and_key() {
         .expect("`duet up` refuses at once");
     assert_eq!(up.status.code(), Some(2), "{}", up.stderr);
     assert!(!up.stdout.contains("ready"), "{}", up.stdout);
-    let node = tokio::time::timeout(
+    let one = tokio::time::timeout(
         Duration::from_secs(60),
-        duet(&["node", "--config", config, "--name", "p0"]),
+        duet(&["node", "--config", config, "--name", node]),
     )
     .await
     .expect("`duet node` refuses at once");
-    assert!(!node.status.success());
-    for out in [&up.stderr, &node.stderr] {
-        assert!(out.contains("error: node p0:"), "{out}");
+    assert!(!one.status.success());
+    for out in [&up.stderr, &one.stderr] {
+        assert!(out.contains(&format!("error: node {node}:")), "{out}");
+        assert!(!out.contains("panicked"), "{out}");
+    }
+    [up.stderr, one.stderr]
+}
+
+/// `kv_transport = "rdma"` on a machine without an RDMA device (or a build without verbs) is
+/// a configuration error at start naming the node and the key, as a CUDA device is.
+#[tokio::test(flavor = "multi_thread")]
+async fn rdma_without_a_device_fails_the_start_naming_the_node_and_key() {
+    for out in refused_at_start("kv_transport = \"rdma\"\n", "p0").await {
         assert!(out.contains("`serving.kv_transport`"), "{out}");
         // The default build has no verbs; a build with them, on this machine, no device.
         assert!(
             out.contains("--features rdma") || out.contains("no RDMA device"),
             "{out}"
         );
-        assert!(!out.contains("panicked"), "{out}");
     }
 }
 
@@ -104,31 +112,12 @@ async fn rdma_without_a_device_fails_the_start_naming_the_node_and_key() {
 /// and the key, from `duet up` and from `duet node` alike: nothing starts, nothing panics.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cuda_device_that_cannot_open_fails_the_start_naming_the_node_and_key() {
-    let c = ClusterDir::tiny(
-        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
-        "[serving.node.d0]\ndevice = \"cuda:0\"\n",
-    );
-    let config = path_str(&c.config);
-    let up = tokio::time::timeout(Duration::from_secs(60), duet(&["up", "--config", config]))
-        .await
-        .expect("`duet up` refuses at once");
-    assert_eq!(up.status.code(), Some(2), "{}", up.stderr);
-    assert!(!up.stdout.contains("ready"), "{}", up.stdout);
-    let node = tokio::time::timeout(
-        Duration::from_secs(60),
-        duet(&["node", "--config", config, "--name", "d0"]),
-    )
-    .await
-    .expect("`duet node` refuses at once");
-    assert!(!node.status.success());
-    for out in [&up.stderr, &node.stderr] {
-        assert!(out.contains("error: node d0:"), "{out}");
+    for out in refused_at_start("[serving.node.d0]\ndevice = \"cuda:0\"\n", "d0").await {
         assert!(out.contains("`serving.node.d0.device`"), "{out}");
         assert!(
             out.contains("`cuda:0` cannot be used on this machine"),
             "{out}"
         );
-        assert!(!out.contains("panicked"), "{out}");
     }
 }
 

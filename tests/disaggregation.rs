@@ -466,9 +466,9 @@ async fn decode_prefills_a_mostly_cached_prompt_itself_when_the_router_pairs_it(
     assert_pools_whole(&c).await;
 }
 
-/// Cache-aware routing (issue 19): requests sharing a long prefix (a system prompt) go back
-/// to the decode worker that holds it, so only their new suffix's KV moves; the other decode
-/// worker takes none of them while the load allows.
+/// Cache-aware routing (issue 19): requests sharing a long prefix (an 8-page system prompt)
+/// go back to the decode worker that holds it, so only their new suffix's KV moves; the other
+/// decode worker takes none of them while the load allows.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shared_prefix_goes_back_to_the_decode_worker_holding_it() {
     let model_path = real_model();
@@ -487,7 +487,7 @@ async fn a_shared_prefix_goes_back_to_the_decode_worker_holding_it() {
     // Both decode workers ready before the first request (routing sees both).
     router_ready(http, 3).await;
     let token = c.token();
-    let system = prompt_ids(&model, 4 * PAGE);
+    let system = prompt_ids(&model, 8 * PAGE);
     let sent = || metric(c.admin("p0"), &token, "duet_kv_bytes_sent_total", "");
     let mut moved = Vec::new();
     for user in 0..6u32 {

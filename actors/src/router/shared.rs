@@ -165,8 +165,9 @@ impl RouterShared {
         let (decode, cached) = decode;
         let page = decode.layout.layout.page_size;
         let hashes = block_hashes(prompt, page);
-        let record = |worker: &LoadReport| {
-            self.note_assigned(&worker.worker, prompt_len);
+        // `cached`: the prompt tokens the worker holds, so the work noted is what it will do.
+        let record = |worker: &LoadReport, cached: usize| {
+            self.note_assigned(&worker.worker, prompt_len.saturating_sub(cached));
             if cache_aware {
                 self.prefixes
                     .lock()
@@ -179,7 +180,7 @@ impl RouterShared {
                     );
             }
         };
-        record(&decode);
+        record(&decode, cached);
         if prompt_len < self.settings.disagg_threshold {
             metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
             return Ok((decode.worker, None));
@@ -199,17 +200,19 @@ impl RouterShared {
         };
         // A continuation goes back to the prefill worker that keeps its prompt's KV.
         let prefill = prefer_prefill
-            .and_then(|p| self.pick(|r| compatible(r) && r.worker == p))
+            .and_then(|p| {
+                self.pick(|r| compatible(r) && r.worker == p)
+                    .map(|r| (r, 0))
+            })
             .or_else(|| {
                 self.pick_cached(prompt, cache_aware, |r| {
                     compatible(r) && !exclude.contains(&r.worker)
                 })
-                .map(|(r, _)| r)
             })
-            .or_else(|| self.pick(compatible));
+            .or_else(|| self.pick(compatible).map(|r| (r, 0)));
         match prefill {
-            Some(p) => {
-                record(&p);
+            Some((p, held)) => {
+                record(&p, held);
                 metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "disaggregated", "reason" => "paired").increment(1);
                 Ok((decode.worker, Some(p.worker)))
             }
@@ -220,8 +223,9 @@ impl RouterShared {
         }
     }
 
-    /// Counts a request just sent to `worker` in the router's copy of its load until the
-    /// worker's next report replaces it: a burst of requests arriving between two reports
+    /// Counts a request just sent to `worker` (the `tokens` of its prompt the worker must
+    /// compute, and a sequence) in the router's copy of its load until the worker's next
+    /// report replaces it: a burst of requests arriving between two reports
     /// (every `load_interval_ms`) would otherwise all see the same, stale, load.
     fn note_assigned(&self, worker: &str, tokens: usize) {
         if let Some((r, _)) = self.lock_workers().get_mut(worker) {

@@ -142,30 +142,34 @@ __device__ __forceinline__ long long slot_offset(int page, int layer, int v, int
            (long long)slot * kv_dim;
 }
 
-// Stores k[t], v[t] (kv_dim each) of one layer at token slot (page[t], slot[t]) of an f16 pool.
-extern "C" __global__ void kv_write_f16(const float* k, const float* v, half_bits* pool,
-                                        const int* page, const int* slot, int layer, int n_layers,
-                                        int page_size, int kv_dim) {
+template <typename T> __device__ __forceinline__ T store_kv(float x);
+template <> __device__ __forceinline__ half_bits store_kv<half_bits>(float x) { return f2h(x); }
+template <> __device__ __forceinline__ float store_kv<float>(float x) { return x; }
+
+// Stores k[t], v[t] (kv_dim each) of one layer at token slot (page[t], slot[t]) of the pool.
+template <typename T>
+__device__ void kv_write(const float* k, const float* v, T* pool, const int* page,
+                         const int* slot, int layer, int n_layers, int page_size, int kv_dim) {
     int t = blockIdx.x;
     long long ko = slot_offset(page[t], layer, 0, slot[t], n_layers, page_size, kv_dim);
     long long vo = slot_offset(page[t], layer, 1, slot[t], n_layers, page_size, kv_dim);
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        pool[ko + i] = f2h(k[(long long)t * kv_dim + i]);
-        pool[vo + i] = f2h(v[(long long)t * kv_dim + i]);
+        pool[ko + i] = store_kv<T>(k[(long long)t * kv_dim + i]);
+        pool[vo + i] = store_kv<T>(v[(long long)t * kv_dim + i]);
     }
+}
+
+extern "C" __global__ void kv_write_f16(const float* k, const float* v, half_bits* pool,
+                                        const int* page, const int* slot, int layer, int n_layers,
+                                        int page_size, int kv_dim) {
+    kv_write<half_bits>(k, v, pool, page, slot, layer, n_layers, page_size, kv_dim);
 }
 
 // The same into an f32 pool (the exact dtype).
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* pool,
                                         const int* page, const int* slot, int layer, int n_layers,
                                         int page_size, int kv_dim) {
-    int t = blockIdx.x;
-    long long ko = slot_offset(page[t], layer, 0, slot[t], n_layers, page_size, kv_dim);
-    long long vo = slot_offset(page[t], layer, 1, slot[t], n_layers, page_size, kv_dim);
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        pool[ko + i] = k[(long long)t * kv_dim + i];
-        pool[vo + i] = v[(long long)t * kv_dim + i];
-    }
+    kv_write<float>(k, v, pool, page, slot, layer, n_layers, page_size, kv_dim);
 }
 
 template <typename T> __device__ __forceinline__ float load_kv(const T* p);
