@@ -50,12 +50,7 @@ async fn request(
         .output()
         .await
         .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(json_text).unwrap_or(Value::Null),
-    )
+    status_and_json(&out.stdout)
 }
 
 fn assert_openai_error(v: &Value, param: Option<&str>) {

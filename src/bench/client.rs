@@ -42,6 +42,28 @@ pub async fn stream_completion(addr: SocketAddr, ask: &Ask, epoch: Instant) -> R
     rec
 }
 
+/// A fresh HTTP/1.1 connection to `addr` (no Nagle delay: tokens are small writes), and the
+/// task that drives it.
+async fn connect(
+    addr: SocketAddr,
+) -> Result<
+    (
+        hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+        tokio::task::JoinHandle<hyper::Result<()>>,
+    ),
+    String,
+> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("handshake: {e}"))?;
+    Ok((sender, tokio::spawn(conn)))
+}
+
 /// The model the router at `addr` serves (`/v1/models`), asked once per address: requests must
 /// name it.
 async fn served_model(addr: SocketAddr) -> Result<String, String> {
@@ -54,14 +76,7 @@ async fn served_model(addr: SocketAddr) -> Result<String, String> {
     {
         return Ok(m.clone());
     }
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-    let driver = tokio::spawn(conn);
+    let (mut sender, driver) = connect(addr).await?;
     let req = hyper::Request::get("/v1/models")
         .header("host", addr.to_string())
         .body(Full::new(Bytes::new()))
@@ -104,15 +119,7 @@ async fn run(
         "stream": true,
     })
     .to_string();
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-    let driver = tokio::spawn(conn);
+    let (mut sender, driver) = connect(addr).await?;
     let req = hyper::Request::post("/v1/completions")
         .header("host", addr.to_string())
         .header("content-type", "application/json")

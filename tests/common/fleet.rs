@@ -103,12 +103,7 @@ pub async fn complete_on(h: &Hosts, host: &str, http: u16, body: &Value) -> (u16
         .output()
         .await
         .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(json_text).unwrap_or(Value::Null),
-    )
+    super::status_and_json(&out.stdout)
 }
 
 /// A GET on the admin API at `admin` (`IP:PORT`), made from `host`.

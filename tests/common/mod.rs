@@ -69,6 +69,17 @@ pub fn forget_model(http: u16) {
         .retain(|(p, _)| *p != http);
 }
 
+/// What `curl -s -w "\n%{http_code}"` printed: the status and the body (`Null` when it is not
+/// JSON).
+pub fn status_and_json(stdout: &[u8]) -> (u16, Value) {
+    let text = String::from_utf8_lossy(stdout).into_owned();
+    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(json_text).unwrap_or(Value::Null),
+    )
+}
+
 /// `body` naming the served model, unless it names one (or is not an object).
 pub fn with_model(http: u16, body: &Value) -> Value {
     let mut body = body.clone();
@@ -113,12 +124,7 @@ async fn curl_completion_once(http: u16, body: &Value) -> (u16, Value) {
             .expect("curl's stdin");
     }
     let out = curl.wait_with_output().await.expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (json_text, code) = text.rsplit_once('\n').unwrap_or((&text, "0"));
-    (
-        code.trim().parse().unwrap_or(0),
-        serde_json::from_str(json_text).unwrap_or(Value::Null),
-    )
+    status_and_json(&out.stdout)
 }
 
 /// A streaming `/v1/completions` request through curl (`-N`: no buffering), its body to

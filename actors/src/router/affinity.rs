@@ -35,6 +35,46 @@ pub fn block_hashes(tokens: &[u32], page: usize) -> Vec<u64> {
         .collect()
 }
 
+/// One prompt's block hashes, computed once per page size however many workers are compared
+/// (routing runs on every request: the prompt is hashed at most once per layout).
+#[derive(Debug)]
+pub struct PromptBlocks<'a> {
+    prompt: &'a [u32],
+    by_page: Vec<(usize, Vec<u64>)>,
+}
+
+impl<'a> PromptBlocks<'a> {
+    /// The prompt, not hashed yet.
+    pub fn new(prompt: &'a [u32]) -> PromptBlocks<'a> {
+        PromptBlocks {
+            prompt,
+            by_page: Vec::new(),
+        }
+    }
+
+    /// Tokens of the prompt.
+    pub fn len(&self) -> usize {
+        self.prompt.len()
+    }
+
+    /// Whether the prompt is empty.
+    pub fn is_empty(&self) -> bool {
+        self.prompt.is_empty()
+    }
+
+    /// The hashes of its `page`-token blocks.
+    pub fn of(&mut self, page: usize) -> &[u64] {
+        let i = match self.by_page.iter().position(|(p, _)| *p == page) {
+            Some(i) => i,
+            None => {
+                self.by_page.push((page, block_hashes(self.prompt, page)));
+                self.by_page.len() - 1
+            }
+        };
+        &self.by_page[i].1
+    }
+}
+
 #[derive(Debug, Default)]
 struct Blocks {
     incarnation: u64,
@@ -161,6 +201,16 @@ mod tests {
         let c: Vec<u32> = (100..116).chain(16..32).collect();
         assert_ne!(block_hashes(&c, 16)[1], ha[1]);
         assert_eq!(block_hashes(&a, 16), ha, "deterministic");
+    }
+
+    #[test]
+    fn a_prompt_is_hashed_once_per_page_size() {
+        let p: Vec<u32> = (0..64).collect();
+        let mut b = PromptBlocks::new(&p);
+        assert_eq!(b.of(16), block_hashes(&p, 16).as_slice());
+        assert_eq!(b.of(32), block_hashes(&p, 32).as_slice());
+        assert_eq!(b.of(16).len(), 4);
+        assert_eq!(b.by_page.len(), 2);
     }
 
     #[test]

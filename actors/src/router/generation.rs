@@ -37,6 +37,8 @@ pub(super) struct Generation {
     last_token: Option<std::time::Instant>,
     /// Prompt tokens a prefix cache served (the operator metrics count them at the end).
     cached: usize,
+    /// `duet_generation_tokens_total` for this model: looked up once per request, not per token.
+    tokens_out: metrics::Counter,
 }
 
 /// Starts an attempt, asking again while the policy says so: waiting (free) while no worker
@@ -108,6 +110,10 @@ impl Generation {
         shared
             .open
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let tokens_out = metrics::counter!(
+            m::GENERATION_TOKENS,
+            "model_name" => shared.settings.model_name.clone()
+        );
         Ok(Generation {
             policy,
             current: Some(started),
@@ -121,6 +127,7 @@ impl Generation {
             arrived,
             last_token: None,
             cached: 0,
+            tokens_out,
         })
     }
 
@@ -233,8 +240,7 @@ impl Generation {
             if let Some(token) = item.token {
                 self.generated.push(token);
                 self.emitted += item.text.len();
-                let model = self.shared.settings.model_name.clone();
-                metrics::counter!(m::GENERATION_TOKENS, "model_name" => model).increment(1);
+                self.tokens_out.increment(1);
                 let now = std::time::Instant::now();
                 match self.last_token {
                     None => {

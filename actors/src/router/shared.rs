@@ -19,7 +19,7 @@ use duet_runtime::wire;
 use rand::Rng;
 use tokio::sync::mpsc;
 
-use super::affinity::{self, Candidate, PrefixIndex, block_hashes};
+use super::affinity::{self, Candidate, PrefixIndex, PromptBlocks};
 use crate::protocol::{
     Abort, Accepted, BOOTSTRAP_SERVICE, Cancel, Generate, LoadReport, PrefillPeer, PrefillRequest,
     ROUTER_SERVICE, ServingError, TokenBatch, TokenItem, WORKER_SERVICE, WorkerKind, kinds,
@@ -154,33 +154,20 @@ impl RouterShared {
         }
         let prompt_len = prompt.len();
         let cache_aware = self.settings.routing == Routing::CacheAware;
+        let mut blocks = PromptBlocks::new(prompt);
         // A retry avoids the workers already tried, unless they are all there is (a restarted
         // worker is a new incarnation and may well serve it).
-        let decode = self
-            .pick_cached(prompt, cache_aware, |r| {
+        let (decode, cached) = self
+            .pick_cached(&mut blocks, cache_aware, |r| {
                 r.kind == WorkerKind::Decode && !exclude.contains(&r.worker)
             })
             .or_else(|| self.pick(|r| r.kind == WorkerKind::Decode).map(|r| (r, 0)))
             .ok_or(RouteError::NoDecodeReady)?;
-        let (decode, cached) = decode;
-        let page = decode.layout.layout.page_size;
-        let hashes = block_hashes(prompt, page);
-        // `cached`: the prompt tokens the worker holds, so the work noted is what it will do.
-        let record = |worker: &LoadReport, cached: usize| {
-            self.note_assigned(&worker.worker, prompt_len.saturating_sub(cached));
-            if cache_aware {
-                self.prefixes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .record(
-                        &worker.worker,
-                        worker.incarnation,
-                        &hashes,
-                        worker.total_pages,
-                    );
-            }
-        };
-        record(&decode, cached);
+        self.sent(
+            &decode,
+            prompt_len - cached.min(prompt_len),
+            cache_aware.then_some(&mut blocks),
+        );
         if prompt_len < self.settings.disagg_threshold {
             metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "decode_only", "reason" => "short_prompt").increment(1);
             return Ok((decode.worker, None));
@@ -205,14 +192,18 @@ impl RouterShared {
                     .map(|r| (r, 0))
             })
             .or_else(|| {
-                self.pick_cached(prompt, cache_aware, |r| {
+                self.pick_cached(&mut blocks, cache_aware, |r| {
                     compatible(r) && !exclude.contains(&r.worker)
                 })
             })
             .or_else(|| self.pick(compatible).map(|r| (r, 0)));
         match prefill {
             Some((p, held)) => {
-                record(&p, held);
+                self.sent(
+                    &p,
+                    prompt_len - held.min(prompt_len),
+                    cache_aware.then_some(&mut blocks),
+                );
                 metrics::counter!(duet_runtime::metrics::ROUTER_ROUTES, "path" => "disaggregated", "reason" => "paired").increment(1);
                 Ok((decode.worker, Some(p.worker)))
             }
@@ -223,14 +214,27 @@ impl RouterShared {
         }
     }
 
-    /// Counts a request just sent to `worker` (the `tokens` of its prompt the worker must
-    /// compute, and a sequence) in the router's copy of its load until the worker's next
-    /// report replaces it: a burst of requests arriving between two reports
-    /// (every `load_interval_ms`) would otherwise all see the same, stale, load.
-    fn note_assigned(&self, worker: &str, tokens: usize) {
-        if let Some((r, _)) = self.lock_workers().get_mut(worker) {
+    /// A request was sent to `worker`, which must compute `tokens` of its prompt (those it does
+    /// not hold). That work, and a sequence, counts in the router's copy of the worker's load
+    /// until the worker's next report replaces it: a burst of requests arriving between two
+    /// reports (every `load_interval_ms`) would otherwise all see the same, stale, load. With
+    /// `blocks` (cache-aware routing) the worker will hold the prompt's blocks too.
+    fn sent(&self, worker: &LoadReport, tokens: usize, blocks: Option<&mut PromptBlocks<'_>>) {
+        if let Some((r, _)) = self.lock_workers().get_mut(&worker.worker) {
             r.queued_tokens += tokens;
             r.waiting += 1;
+        }
+        if let Some(b) = blocks {
+            let hashes = b.of(worker.layout.layout.page_size);
+            self.prefixes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(
+                    &worker.worker,
+                    worker.incarnation,
+                    hashes,
+                    worker.total_pages,
+                );
         }
     }
 
@@ -239,7 +243,7 @@ impl RouterShared {
     /// as the router knows, or what it holds).
     fn pick_cached(
         &self,
-        prompt: &[u32],
+        blocks: &mut PromptBlocks<'_>,
         cache_aware: bool,
         keep: impl Fn(&LoadReport) -> bool,
     ) -> Option<(LoadReport, usize)> {
@@ -252,23 +256,19 @@ impl RouterShared {
             .filter(|r| keep(r))
             .collect();
         let index = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
-        let mut hashes: HashMap<usize, Vec<u64>> = HashMap::new();
         let candidates: Vec<Candidate> = ready
             .iter()
             .map(|r| {
                 let page = r.layout.layout.page_size;
-                let h = hashes
-                    .entry(page)
-                    .or_insert_with(|| block_hashes(prompt, page));
                 Candidate {
                     worker: r.worker.clone(),
                     load: load_tokens(r),
-                    matched_tokens: index.matched(&r.worker, r.incarnation, h) * page,
+                    matched_tokens: index.matched(&r.worker, r.incarnation, blocks.of(page)) * page,
                 }
             })
             .collect();
         drop(index);
-        match affinity::choose(&candidates, prompt.len()) {
+        match affinity::choose(&candidates, blocks.len()) {
             Some(best) => {
                 let tokens = best.matched_tokens;
                 let r = ready.into_iter().find(|r| r.worker == best.worker)?;
