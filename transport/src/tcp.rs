@@ -9,7 +9,7 @@
 //! decision, made before a byte is read (the decode side checks the ledger's grants). Anything
 //! out of bounds, ungranted or unknown is a typed error and ends the connection.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
 /// Frame kinds.
@@ -99,15 +99,22 @@ impl TcpSender {
     ) -> Result<(), TcpError> {
         for (i, chunk) in bytes.chunks(u32::MAX as usize).enumerate() {
             let at = offset + (i as u64) * u64::from(u32::MAX);
-            self.stream
-                .write_all(&Self::header(DATA, attempt, at, chunk.len() as u32))?;
+            let header = Self::header(DATA, attempt, at, chunk.len() as u32);
+            // The header goes out in the same system call as the payload it heads: on its own,
+            // with NODELAY set, it was a 24-byte segment per run.
             if i == 0 {
                 let (first, rest) = chunk.split_at(chunk.len() / 2);
-                self.stream.write_all(first)?;
+                write_all_vectored(
+                    &mut self.stream,
+                    &mut [IoSlice::new(&header), IoSlice::new(first)],
+                )?;
                 midway();
                 self.stream.write_all(rest)?;
             } else {
-                self.stream.write_all(chunk)?;
+                write_all_vectored(
+                    &mut self.stream,
+                    &mut [IoSlice::new(&header), IoSlice::new(chunk)],
+                )?;
             }
         }
         Ok(())
@@ -163,6 +170,20 @@ impl Sink for &mut [u8] {
             .ok_or(TcpError::OutOfBounds { offset, len, size })?;
         Ok(&mut self[range])
     }
+}
+
+/// Writes every byte of `bufs`, in order (`Write::write_all_vectored` is not stable).
+fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Serves one connection, reading every data frame straight into where `sink` says, until the
