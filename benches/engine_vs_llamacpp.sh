@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Duet's engine beside llama.cpp on the same GGUF and thread counts, in one run.
+# Duet's engine beside llama.cpp on the same GGUF and thread counts, rounds interleaved.
 #
-#   benches/engine_vs_llamacpp.sh [THREADS]      (default 1,2)
+#   benches/engine_vs_llamacpp.sh [THREADS] [ROUNDS]      (default 1,2 and 3)
 #
 # Builds llama-cpp-python 0.3.36 from PyPI into .bench-venv/ on first use (about 4 minutes on
-# two cores; CPU only, native instructions), then runs both benchmarks and prints the ratios.
+# two cores; CPU only, native instructions). Each round runs llama.cpp, then Duet, each in a
+# fresh process; the table gives, per metric, the range of each engine over the rounds and the
+# range of the ratio within a round (a noisy neighbour moves both engines of a round, so the
+# per-round ratio is the figure to quote, with its spread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${1:-1,2}
+rounds=${2:-3}
 venv=.bench-venv
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   python3 -m venv "$venv"
@@ -15,21 +19,40 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import llama_cpp" 2>/
     "$venv/bin/pip" install --quiet llama-cpp-python==0.3.36
 fi
 model=$(cargo run --release --quiet -- fetch-model | awk '{print $1}')
-echo "== llama.cpp"
-"$venv/bin/python" benches/llamacpp_bench.py "$model" "$threads" | tee /tmp/duet-llamacpp.jsonl
-echo "== duet"
-cargo bench --quiet -p duet-engine --bench throughput -- --threads "$threads" --json | tee /tmp/duet-engine.jsonl
-python3 - <<'PY'
-import json
-ll = {r["threads"]: r for r in map(json.loads, open("/tmp/duet-llamacpp.jsonl"))}
-du = {r["threads"]: r for r in map(json.loads, open("/tmp/duet-engine.jsonl"))}
-print("\nthreads  metric                       duet      llama.cpp  ratio")
-for t in sorted(du):
-    d, l = du[t], ll.get(t, {})
+cargo bench --quiet -p duet-engine --bench throughput --no-run
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for r in $(seq "$rounds"); do
+  echo "== round $r/$rounds: llama.cpp" >&2
+  "$venv/bin/python" benches/llamacpp_bench.py "$model" "$threads" |
+    sed "s/^{/{\"round\": $r, /" >> "$out/llamacpp.jsonl"
+  echo "== round $r/$rounds: duet" >&2
+  DUET_MODEL="$model" cargo bench --quiet -p duet-engine --bench throughput -- --threads "$threads" --json |
+    sed "s/^{/{\"round\": $r, /" >> "$out/duet.jsonl"
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+ll = [json.loads(l) for l in open(f"{out}/llamacpp.jsonl")]
+du = [json.loads(l) for l in open(f"{out}/duet.jsonl")]
+rng = lambda xs: f"{min(xs):7.1f}-{max(xs):7.1f}"
+print(f"\n{len({r['round'] for r in du})} rounds, interleaved")
+print("threads  metric                        duet tok/s       llama.cpp tok/s  duet/llama.cpp per round")
+for t in sorted({r["threads"] for r in du}):
+    d = {r["round"]: r for r in du if r["threads"] == t}
+    l = {r["round"]: r for r in ll if r["threads"] == t}
     for key in ["prefill_tok_s", "decode_b1_tok_s", "decode_b1_after_512_tok_s"]:
-        if key in l:
-            print(f"{t:>7}  {key:<26} {d[key]:>9.1f}  {l[key]:>9.1f}  {d[key] / l[key]:>5.2f}x")
-    print(f"{t:>7}  decode batch 8 / 32 tok/s     {d['decode_b8_tok_s']:>9.1f} / {d['decode_b32_tok_s']:.1f}"
-          f"  (batch 32 = {d['decode_b32_tok_s'] / d['decode_b1_tok_s']:.1f}x batch 1)")
-    print(f"{t:>7}  resident memory after load   {d['rss_after_load_mb']:.0f} MB (GGUF {d['gguf_mb']:.0f} MB, KV pool {d['kv_pool_mb']:.0f} MB)")
+        rounds = sorted(set(d) & set(l))
+        ratios = [d[r][key] / l[r][key] for r in rounds]
+        print(f"{t:>7}  {key:<28} {rng([d[r][key] for r in rounds])}  {rng([l[r][key] for r in rounds])}"
+              f"  {min(ratios):.2f}-{max(ratios):.2f}x")
+    b32 = [d[r]["decode_b32_tok_s"] for r in d]
+    frac = [d[r]["b32_gmac_s"] / d[r]["fma_peak_gmac_s"] for r in d]
+    print(f"{t:>7}  decode batch 32               {rng(b32)}  = {100*min(frac):.0f}-{100*max(frac):.0f} % of the f32 FMA peak measured in the run")
+one = {r["round"]: r for r in du if r["threads"] == 1}
+two = {r["round"]: r for r in du if r["threads"] == 2}
+if one and two:
+    for key in ["prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s"]:
+        s = [two[r][key] / one[r][key] for r in sorted(set(one) & set(two))]
+        print(f"   2 vs 1 thread, {key:<24} {min(s):.2f}-{max(s):.2f}x (same process, per round)")
 PY

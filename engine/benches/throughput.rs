@@ -90,6 +90,10 @@ fn main() {
             best = best.min(start.elapsed().as_secs_f64());
         }
         let prefill_tok_s = prompt.len() as f64 / best;
+        if args.iter().any(|a| a == "--prefill-only") {
+            println!("threads {threads}: prefill {prefill_tok_s:.1} tok/s");
+            continue;
+        }
         e.pool.alloc.release_all(&pages).expect("release");
         let steps = if quick { 8 } else { 64 };
         let decode_b1_after_512_tok_s = decode(&mut e, &prompt, 1, 448, steps);
@@ -98,9 +102,13 @@ fn main() {
             .fold(0.0, f64::max);
         let decode_b8_tok_s = decode(&mut e, &prompt, 8, 32, steps / 2);
         let decode_b32_tok_s = decode(&mut e, &prompt, 32, 32, steps / 4);
+        // The batch-32 step's multiply-adds against the core's f32 FMA peak, both measured in
+        // this run (the peak once per thread count, right after the step it is compared with).
+        let b32_gmac_s = decode_b32_tok_s * macs_per_token(&e.model) / 1e9;
+        let peak_gmac_s = fma_peak_gmac_s() * threads as f64;
         if as_json {
             println!(
-                "{{\"engine\": \"duet\", \"threads\": {threads}, \"prefill_tok_s\": {prefill_tok_s:.2}, \"decode_b1_tok_s\": {decode_b1_tok_s:.2}, \"decode_b1_after_512_tok_s\": {decode_b1_after_512_tok_s:.2}, \"decode_b8_tok_s\": {decode_b8_tok_s:.2}, \"decode_b32_tok_s\": {decode_b32_tok_s:.2}, \"rss_after_load_mb\": {rss_after_load_mb:.1}, \"gguf_mb\": {gguf_mb:.1}, \"kv_pool_mb\": {kv_pool_mb:.1}}}"
+                "{{\"engine\": \"duet\", \"threads\": {threads}, \"prefill_tok_s\": {prefill_tok_s:.2}, \"decode_b1_tok_s\": {decode_b1_tok_s:.2}, \"decode_b1_after_512_tok_s\": {decode_b1_after_512_tok_s:.2}, \"decode_b8_tok_s\": {decode_b8_tok_s:.2}, \"decode_b32_tok_s\": {decode_b32_tok_s:.2}, \"b32_gmac_s\": {b32_gmac_s:.2}, \"fma_peak_gmac_s\": {peak_gmac_s:.2}, \"rss_after_load_mb\": {rss_after_load_mb:.1}, \"gguf_mb\": {gguf_mb:.1}, \"kv_pool_mb\": {kv_pool_mb:.1}}}"
             );
         } else {
             println!(
@@ -118,6 +126,10 @@ fn main() {
             );
             println!(
                 "threads {threads}: decode batch 32              {decode_b32_tok_s:>8.1} tok/s"
+            );
+            println!(
+                "threads {threads}: batch 32 = {b32_gmac_s:.1} GMAC/s = {:.0} % of the f32 FMA peak ({peak_gmac_s:.1} GMAC/s on {threads} core(s), measured now)",
+                100.0 * b32_gmac_s / peak_gmac_s
             );
             println!(
                 "threads {threads}: resident after load {rss_after_load_mb:.0} MB (GGUF {gguf_mb:.0} MB, KV pool {kv_pool_mb:.0} MB)"
@@ -163,6 +175,92 @@ fn decode(e: &mut Engine, prompt: &[u32], batch: usize, ctx: usize, steps: usize
     rate
 }
 
+/// Multiply-adds of the matrix products per decoded token (every layer's projections and
+/// the LM head; attention over a short context is left out, so the fraction is a floor).
+fn macs_per_token(m: &Model) -> f64 {
+    let layer: usize = m
+        .layers
+        .iter()
+        .map(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|w| {
+                    let q = m.w(w);
+                    q.rows * q.cols
+                })
+                .sum::<usize>()
+        })
+        .sum();
+    let head = m.lm_head();
+    (layer + head.rows * head.cols) as f64
+}
+
+/// One core's f32 fused multiply-add peak in GMAC/s: twelve independent accumulator chains
+/// of the widest vector this process computes with, no memory traffic (each chain long enough
+/// to hide the FMA latency). The kernels' own loops cannot beat it.
+#[allow(unsafe_code)] // target_feature functions, called after the ISA was detected
+fn fma_peak_gmac_s() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const CHAINS: usize = 12;
+        const ITERS: usize = 4_000_000;
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512() -> f32 {
+            let a = _mm512_set1_ps(0.999_999);
+            let b = _mm512_set1_ps(1e-7);
+            let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+            for _ in 0..ITERS {
+                for c in acc.iter_mut() {
+                    *c = _mm512_fmadd_ps(*c, a, b);
+                }
+            }
+            acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2() -> f32 {
+            let a = _mm256_set1_ps(0.999_999);
+            let b = _mm256_set1_ps(1e-7);
+            let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+            for _ in 0..ITERS {
+                for c in acc.iter_mut() {
+                    *c = _mm256_fmadd_ps(*c, a, b);
+                }
+            }
+            let mut out = [0f32; 8];
+            for v in acc {
+                // SAFETY: `out` has room for the 8 lanes.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr(),
+                        _mm256_add_ps(v, _mm256_loadu_ps(out.as_ptr())),
+                    )
+                };
+            }
+            out.iter().sum()
+        }
+        let (lanes, run): (usize, fn() -> f32) = match duet_engine::kernels::isa() {
+            // SAFETY: isa() reported the feature.
+            duet_engine::kernels::Isa::Avx512 => (16, || unsafe { avx512() }),
+            duet_engine::kernels::Isa::Avx2 | duet_engine::kernels::Isa::Avx2NoF16c => {
+                // SAFETY: isa() reported the feature.
+                (8, || unsafe { avx2() })
+            }
+            _ => return f64::NAN,
+        };
+        let best = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(run());
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
+        (CHAINS * ITERS * lanes) as f64 / best / 1e9
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    f64::NAN
+}
+
 /// Resident set size of this process, in MB.
 fn rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
@@ -178,6 +276,7 @@ fn rss_mb() -> f64 {
 /// Times one matrix product of each shape of the model at 1 token and 32 tokens.
 fn kernels(path: &std::path::Path) {
     let model = Model::open(path).expect("model");
+    let one = duet_engine::step_pool::StepPool::new(1).expect("team");
     let l = &model.layers[0];
     for (name, m) in [
         ("attn_q", &l.wq),
@@ -192,7 +291,7 @@ fn kernels(path: &std::path::Path) {
             let reps = 2000 / tokens;
             let start = Instant::now();
             for _ in 0..reps {
-                duet_engine::kernels::matmul(w, &x, tokens, &mut out, 1);
+                duet_engine::kernels::matmul(w, &x, tokens, &mut out, &one);
             }
             let per = start.elapsed().as_secs_f64() / reps as f64;
             let macs = (w.rows * w.cols * tokens) as f64;
@@ -210,7 +309,7 @@ fn kernels(path: &std::path::Path) {
     let mut out = vec![0f32; head.rows];
     let start = Instant::now();
     for _ in 0..50 {
-        duet_engine::kernels::matmul(head, &x, 1, &mut out, 1);
+        duet_engine::kernels::matmul(head, &x, 1, &mut out, &one);
     }
     println!(
         "  lm_head 1 token: {:.1} us",

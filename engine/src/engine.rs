@@ -8,12 +8,12 @@
 //! the last token of every chunk that asks for them.
 
 use duet_gpu::{KvDtype, KvLayout, KvPool, PageId, PoolError};
-use rayon::prelude::*;
 
 use crate::kernels::attention::{AttnScratch, AttnShape, attend};
 use crate::kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
-use crate::kernels::{QRef, matmul, matmul_group};
+use crate::kernels::{QRef, matmul, matmul_group, token_split};
 use crate::model::Model;
+use crate::step_pool::StepPool;
 
 /// How an engine is set up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,7 +112,7 @@ pub struct Engine {
     pub pool: KvPool,
     rope: Rope,
     options: EngineOptions,
-    threads: rayon::ThreadPool,
+    team: StepPool,
     /// Counters.
     pub stats: EngineStats,
 }
@@ -161,11 +161,8 @@ impl Engine {
         }
         let c = model.config;
         let max_context = options.max_context.min(c.context_length);
-        let threads = rayon::ThreadPoolBuilder::new()
-            .num_threads(options.threads.max(1))
-            .thread_name(|i| format!("duet-compute-{i}"))
-            .build()
-            .map_err(|_| EngineError::Threads(options.threads))?;
+        let team =
+            StepPool::new(options.threads).map_err(|_| EngineError::Threads(options.threads))?;
         Ok(Engine {
             rope: Rope::new(c.head_dim, c.rope_base, max_context),
             options: EngineOptions {
@@ -174,7 +171,7 @@ impl Engine {
             },
             model,
             pool,
-            threads,
+            team,
             stats: EngineStats::default(),
         })
     }
@@ -198,12 +195,14 @@ impl Engine {
         kv_done: &mut (dyn FnMut(usize) + Send),
     ) -> Result<Vec<Option<Vec<f32>>>, EngineError> {
         self.validate(chunks)?;
-        let threads = self.options.threads.max(1);
-        let pool = &mut self.pool;
-        let (model, rope) = (&self.model, &self.rope);
-        let out = self
-            .threads
-            .install(|| forward(model, pool, rope, chunks, threads, kv_done));
+        let out = forward(
+            &self.model,
+            &mut self.pool,
+            &self.rope,
+            chunks,
+            &self.team,
+            kv_done,
+        );
         self.stats.steps += 1;
         self.stats.tokens += chunks.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
         Ok(out)
@@ -249,12 +248,36 @@ struct TokenRef {
     pos: usize,
 }
 
+/// `f(input rows, output rows)` over `tokens` rows of `width`: in a step split by token
+/// (a long prefill chunk), on each thread for its own range of tokens (in a 512-token prefill
+/// these were a tenth of the step, serial while the other threads spun); otherwise, taking
+/// microseconds, on the caller. The operations are row-wise, so the split changes no bit.
+fn by_rows(
+    team: &StepPool,
+    tokens: usize,
+    width: usize,
+    input: &[f32],
+    output: &mut [f32],
+    f: impl Fn(&[f32], &mut [f32]) + Sync,
+) {
+    match token_split(tokens, team) {
+        Some(per) => team.for_each_thread(
+            input
+                .chunks(per * width)
+                .zip(output.chunks_mut(per * width))
+                .collect(),
+            |(i, o)| f(i, o),
+        ),
+        None => f(input, output),
+    }
+}
+
 fn forward(
     model: &Model,
     pool: &mut KvPool,
     rope: &Rope,
     chunks: &[SeqChunk<'_>],
-    threads: usize,
+    team: &StepPool,
     kv_done: &mut (dyn FnMut(usize) + Send),
 ) -> Vec<Option<Vec<f32>>> {
     let c = model.config;
@@ -298,20 +321,43 @@ fn forward(
         n_kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
     };
-    let mm = |w: QRef<'_>, input: &[f32], out: &mut [f32]| matmul(w, input, t, out, threads);
+    let mm = |w: QRef<'_>, input: &[f32], out: &mut [f32]| matmul(w, input, t, out, team);
 
     for (li, layer) in model.layers.iter().enumerate() {
-        rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+        by_rows(team, t, c.dim, &x, &mut h, |x, h| {
+            rms_norm(x, &layer.attn_norm, c.rms_eps, h)
+        });
         matmul_group(
             &[model.w(&layer.wq), model.w(&layer.wk), model.w(&layer.wv)],
             &h,
             t,
             &mut [&mut q, &mut k, &mut v],
-            threads,
+            team,
         );
+        // Rotary embedding on each thread's own tokens (in a step split by token), then the
+        // K and V rows into the pool.
+        let rotate = |(q, k, toks): (&mut [f32], &mut [f32], &[TokenRef])| {
+            for ((q, k), tr) in q
+                .chunks_exact_mut(c.dim)
+                .zip(k.chunks_exact_mut(kv_dim))
+                .zip(toks)
+            {
+                rope.apply(q, c.head_dim, tr.pos);
+                rope.apply(k, c.head_dim, tr.pos);
+            }
+        };
+        match token_split(t, team) {
+            Some(per) => team.for_each_thread(
+                q.chunks_mut(per * c.dim)
+                    .zip(k.chunks_mut(per * kv_dim))
+                    .zip(toks.chunks(per))
+                    .map(|((q, k), toks)| (q, k, toks))
+                    .collect(),
+                rotate,
+            ),
+            None => rotate((&mut q, &mut k, &toks)),
+        }
         for (i, tr) in toks.iter().enumerate() {
-            rope.apply(&mut q[i * c.dim..(i + 1) * c.dim], c.head_dim, tr.pos);
-            rope.apply(&mut k[i * kv_dim..(i + 1) * kv_dim], c.head_dim, tr.pos);
             let page = chunks[tr.chunk].pages[tr.pos / ps];
             pool.write_token(
                 page,
@@ -326,39 +372,61 @@ fn forward(
         // over the threads; the bits do not depend on the split.
         let pool_ref: &KvPool = pool;
         let group_width = (c.n_heads / c.n_kv_heads) * c.head_dim;
-        attn.par_chunks_mut(group_width).enumerate().for_each_init(
-            AttnScratch::default,
-            |scratch, (i, out)| {
-                let (tok, g) = (i / c.n_kv_heads, i % c.n_kv_heads);
-                let tr = &toks[tok];
-                let qt = &q[tok * c.dim..(tok + 1) * c.dim];
-                attend(
-                    pool_ref,
-                    li,
-                    shape,
-                    g..g + 1,
-                    qt,
-                    tr.pos,
-                    chunks[tr.chunk].pages,
-                    out,
-                    scratch,
-                );
-            },
-        );
+        let attend_one = |scratch: &mut AttnScratch, (i, out): (usize, &mut [f32])| {
+            let (tok, g) = (i / c.n_kv_heads, i % c.n_kv_heads);
+            let tr = &toks[tok];
+            let qt = &q[tok * c.dim..(tok + 1) * c.dim];
+            attend(
+                pool_ref,
+                li,
+                shape,
+                g..g + 1,
+                qt,
+                tr.pos,
+                chunks[tr.chunk].pages,
+                out,
+                scratch,
+            );
+        };
+        let items = attn.chunks_mut(group_width).enumerate();
+        match token_split(t, team) {
+            // Each thread its own tokens' heads, where its queries are.
+            Some(per) => {
+                let mut parts: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+                for (i, out) in items {
+                    let part = i / c.n_kv_heads / per;
+                    if parts.len() <= part {
+                        parts.push(Vec::new());
+                    }
+                    parts[part].push((i, out));
+                }
+                team.for_each_thread(parts, |part| {
+                    let mut scratch = AttnScratch::default();
+                    for item in part {
+                        attend_one(&mut scratch, item);
+                    }
+                });
+            }
+            None => team.for_each_init(items.collect(), AttnScratch::default, attend_one),
+        }
         mm(model.w(&layer.wo), &attn, &mut o);
-        add_assign(&mut x, &o);
+        by_rows(team, t, c.dim, &o, &mut x, |o, x| add_assign(x, o));
 
-        rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+        by_rows(team, t, c.dim, &x, &mut h, |x, h| {
+            rms_norm(x, &layer.ffn_norm, c.rms_eps, h)
+        });
         matmul_group(
             &[model.w(&layer.w_gate), model.w(&layer.w_up)],
             &h,
             t,
             &mut [&mut gate, &mut up],
-            threads,
+            team,
         );
-        silu_mul(&mut gate, &up);
+        by_rows(team, t, c.ffn_dim, &up, &mut gate, |up, gate| {
+            silu_mul(gate, up)
+        });
         mm(model.w(&layer.w_down), &gate, &mut o);
-        add_assign(&mut x, &o);
+        by_rows(team, t, c.dim, &o, &mut x, |o, x| add_assign(x, o));
     }
 
     // Logits only where asked: the last token of each such chunk.
@@ -379,7 +447,7 @@ fn forward(
     rms_norm(&last_rows, &model.output_norm, c.rms_eps, &mut normed);
     let head = model.lm_head();
     let mut logits = vec![0f32; owners.len() * head.rows];
-    matmul(head, &normed, owners.len(), &mut logits, threads);
+    matmul(head, &normed, owners.len(), &mut logits, team);
     for (j, owner) in owners.into_iter().enumerate() {
         results[owner] = Some(logits[j * head.rows..(j + 1) * head.rows].to_vec());
     }

@@ -24,6 +24,7 @@ pub mod prefix_cache;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod step_pool;
 #[cfg(feature = "tiny")]
 pub mod tiny;
 pub mod tokenizer;

@@ -72,6 +72,18 @@ fn chunked_prefill_and_page_boundaries_match_one_shot_bit_for_bit() {
 }
 
 #[test]
+fn a_long_prefill_split_over_the_threads_matches_short_chunks_bit_for_bit() {
+    // 160 tokens on two threads: the products split by token (from 128) and the row-wise
+    // operations split over the team (from 64); chunks of 16 and 40 take neither split.
+    let mut e = engine(KvDtype::F16, 16);
+    let p = prompt(160, 2);
+    let one_shot = run(&mut e, &p, p.len(), 2);
+    for chunk in [16, 40, 100] {
+        assert_eq!(run(&mut e, &p, chunk, 2), one_shot, "chunk {chunk}");
+    }
+}
+
+#[test]
 fn batched_decode_matches_each_sequence_alone() {
     let mut e = engine(KvDtype::F16, 4);
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(9 + 6 * i, i as u32)).collect();

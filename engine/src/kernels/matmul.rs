@@ -7,10 +7,10 @@
 //! else is computed (see the module docs of `kernels`).
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::{LANES, fma_lanes, hsum};
 use crate::gguf::TensorType;
+use crate::step_pool::StepPool;
 
 /// How a matrix's blocks are stored in memory.
 ///
@@ -80,6 +80,19 @@ pub fn repack(ty: TensorType, bytes: &[u8]) -> (Format, Vec<u8>) {
 const ROWS: usize = 4;
 /// Tokens per pass over a tile (bounded so the accumulators stay in registers).
 const TOKENS: usize = 4;
+/// Tokens per thread from which a product is split by token rather than by row: below it
+/// (a decode batch) the dequantization of a tile, shared by the call's tokens, is a large
+/// part of the cost, and splitting by row dequantizes each tile once in all instead of once
+/// per thread (batch 32 on two threads: 1.55x one thread split by token).
+pub const TOKENS_PER_THREAD: usize = 64;
+
+/// Whether a step of `tokens` on `team` is split by token, and if so the tokens of each
+/// thread's contiguous range (thread `i` takes `i * per..`). Every region of such a step
+/// (products, norms, attention) uses the same ranges; see [`StepPool::for_each_thread`].
+pub fn token_split(tokens: usize, team: &StepPool) -> Option<usize> {
+    let threads = team.threads();
+    (threads > 1 && tokens >= threads * TOKENS_PER_THREAD).then(|| tokens.div_ceil(threads))
+}
 /// Elements per quantization block.
 const BLOCK: usize = 32;
 
@@ -174,49 +187,11 @@ fn dequant_block(ty: Format, row: &[u8], b: usize, out: &mut [f32]) {
     }
 }
 
-/// `out[t * w.rows + n] = Σ_k w[n][k] · x[t * w.cols + k]` for `tokens` tokens, on `threads`
-/// threads. Many tokens are split between threads by token, few by row; neither split
+/// `out[t * w.rows + n] = Σ_k w[n][k] · x[t * w.cols + k]` for `tokens` tokens, on the
+/// team's threads. Many tokens are split between threads by token, few by row; neither split
 /// changes a single result bit.
-pub fn matmul(w: QRef<'_>, x: &[f32], tokens: usize, out: &mut [f32], threads: usize) {
-    assert_eq!(x.len(), tokens * w.cols, "matmul input shape");
-    assert_eq!(out.len(), tokens * w.rows, "matmul output shape");
-    if tokens == 0 {
-        return;
-    }
-    if threads <= 1 {
-        return rows_strided(w, x, tokens, 0, w.rows, out, w.rows);
-    }
-    if tokens >= threads * 8 {
-        let per = tokens.div_ceil(threads);
-        out.par_chunks_mut(per * w.rows)
-            .zip(x.par_chunks(per * w.cols))
-            .for_each(|(o, xs)| rows_strided(w, xs, xs.len() / w.cols, 0, w.rows, o, w.rows));
-        return;
-    }
-    // Few tokens: split the rows; each part writes its rows into its own slice of a scratch
-    // buffer (part-major), then the parts are copied into place.
-    let parts = threads.min(w.rows.div_ceil(ROWS));
-    let per = w.rows.div_ceil(parts).div_ceil(ROWS) * ROWS;
-    let mut scratch = vec![0f32; parts * per * tokens];
-    scratch
-        .par_chunks_mut(per * tokens)
-        .enumerate()
-        .for_each(|(p, part)| {
-            let first = p * per;
-            let n = per.min(w.rows.saturating_sub(first));
-            if n > 0 {
-                rows_strided(w, x, tokens, first, n, part, n);
-            }
-        });
-    for p in 0..parts {
-        let first = p * per;
-        let n = per.min(w.rows.saturating_sub(first));
-        let part = &scratch[p * per * tokens..];
-        for t in 0..tokens {
-            out[t * w.rows + first..t * w.rows + first + n]
-                .copy_from_slice(&part[t * n..(t + 1) * n]);
-        }
-    }
+pub fn matmul(w: QRef<'_>, x: &[f32], tokens: usize, out: &mut [f32], team: &StepPool) {
+    matmul_group(&[w], x, tokens, &mut [out], team);
 }
 
 /// Several products of the same input (`outs[i] = x · ws[i]ᵀ`) in one parallel region, so
@@ -227,7 +202,7 @@ pub fn matmul_group(
     x: &[f32],
     tokens: usize,
     outs: &mut [&mut [f32]],
-    threads: usize,
+    team: &StepPool,
 ) {
     assert_eq!(ws.len(), outs.len(), "one output per matrix");
     for (w, out) in ws.iter().zip(outs.iter()) {
@@ -237,6 +212,7 @@ pub fn matmul_group(
     if tokens == 0 {
         return;
     }
+    let threads = team.threads();
     if threads <= 1 {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             rows_strided(*w, x, tokens, 0, w.rows, out, w.rows);
@@ -244,9 +220,8 @@ pub fn matmul_group(
         return;
     }
     let cols = ws[0].cols;
-    if tokens >= threads * 8 {
-        // Split by tokens: each thread computes every matrix for its tokens.
-        let per = tokens.div_ceil(threads);
+    if let Some(per) = token_split(tokens, team) {
+        // Split by tokens: each thread computes every matrix for its range of the tokens.
         let mut parts: Vec<(&[f32], Vec<&mut [f32]>)> =
             x.chunks(per * cols).map(|xs| (xs, Vec::new())).collect();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -254,7 +229,7 @@ pub fn matmul_group(
                 part.1.push(chunk);
             }
         }
-        parts.into_par_iter().for_each(|(xs, mut outs)| {
+        team.for_each_thread(parts, |(xs, mut outs)| {
             let n = xs.len() / cols;
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 rows_strided(*w, xs, n, 0, w.rows, out, w.rows);
@@ -262,35 +237,31 @@ pub fn matmul_group(
         });
         return;
     }
-    // Split every matrix's rows between the threads; one scratch slice per (thread, matrix).
-    let per: Vec<usize> = ws
-        .iter()
-        .map(|w| w.rows.div_ceil(threads).div_ceil(ROWS) * ROWS)
-        .collect();
-    let mut scratch: Vec<Vec<f32>> = (0..threads)
-        .map(|_| vec![0f32; per.iter().sum::<usize>() * tokens])
-        .collect();
-    scratch.par_iter_mut().enumerate().for_each(|(p, buf)| {
-        let mut at = 0;
-        for (w, &per) in ws.iter().zip(&per) {
-            let first = p * per;
-            let n = per.min(w.rows.saturating_sub(first));
-            if n > 0 {
-                rows_strided(*w, x, tokens, first, n, &mut buf[at..at + n * tokens], n);
-            }
-            at += per * tokens;
+    // Few tokens: split every matrix's rows into pieces of whole tiles, a few per thread (so
+    // a thread that started late takes fewer); each piece writes its rows for every token
+    // into its own scratch, copied into place after the region.
+    let pieces_per = threads * 4;
+    // (matrix, first row, rows) of each piece, and its scratch.
+    let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
+    for (m, w) in ws.iter().enumerate() {
+        let per = w.rows.div_ceil(pieces_per).div_ceil(ROWS).max(1) * ROWS;
+        let mut first = 0;
+        while first < w.rows {
+            let n = per.min(w.rows - first);
+            pieces.push((m, first, n));
+            first += n;
         }
-    });
-    for (p, buf) in scratch.iter().enumerate() {
-        let mut at = 0;
-        for ((w, &per), out) in ws.iter().zip(&per).zip(outs.iter_mut()) {
-            let first = p * per;
-            let n = per.min(w.rows.saturating_sub(first));
-            for t in 0..tokens {
-                out[t * w.rows + first..t * w.rows + first + n]
-                    .copy_from_slice(&buf[at + t * n..at + (t + 1) * n]);
-            }
-            at += per * tokens;
+    }
+    let mut scratch: Vec<Vec<f32>> = pieces.iter().map(|p| vec![0f32; p.2 * tokens]).collect();
+    team.for_each(
+        pieces.iter().zip(scratch.iter_mut()).collect(),
+        |(&(m, first, n), buf)| rows_strided(ws[m], x, tokens, first, n, buf, n),
+    );
+    for (&(m, first, n), buf) in pieces.iter().zip(&scratch) {
+        let rows = ws[m].rows;
+        for t in 0..tokens {
+            outs[m][t * rows + first..t * rows + first + n]
+                .copy_from_slice(&buf[t * n..(t + 1) * n]);
         }
     }
 }
@@ -463,7 +434,7 @@ mod tests {
                 };
                 let x = random(5 * cols, 2);
                 let mut out = vec![0f32; 5 * rows];
-                matmul(w, &x, 5, &mut out, 2);
+                matmul(w, &x, 5, &mut out, &StepPool::new(2).expect("team"));
                 for (a, b) in out.iter().zip(reference(&w, &x, 5)) {
                     assert!((a - b).abs() < 1e-4, "{ty:?}: {a} vs {b}");
                 }
@@ -518,18 +489,20 @@ mod tests {
         };
         let x = random(11 * cols, 4);
         let mut all = vec![0f32; 11 * rows];
-        matmul(w, &x, 11, &mut all, 1);
+        let one_thread = StepPool::new(1).expect("team");
+        matmul(w, &x, 11, &mut all, &one_thread);
         let mut from_file = vec![0f32; 11 * rows];
-        matmul(orig, &x, 11, &mut from_file, 1);
+        matmul(orig, &x, 11, &mut from_file, &one_thread);
         assert_eq!(from_file, all);
         // The portable kernel computes the same bits as the one this machine dispatches to.
         let mut portable = vec![0f32; 11 * rows];
         rows_kernel(w, &x, 11, 0, rows, &mut portable, rows);
         assert_eq!(portable, all);
         for threads in [1, 2, 3] {
+            let team = StepPool::new(threads).expect("team");
             for t in 0..11 {
                 let mut one = vec![0f32; rows];
-                matmul(w, &x[t * cols..(t + 1) * cols], 1, &mut one, threads);
+                matmul(w, &x[t * cols..(t + 1) * cols], 1, &mut one, &team);
                 assert_eq!(
                     one,
                     all[t * rows..(t + 1) * rows],
@@ -537,7 +510,7 @@ mod tests {
                 );
             }
             let mut again = vec![0f32; 6 * rows];
-            matmul(w, &x[5 * cols..], 6, &mut again, threads);
+            matmul(w, &x[5 * cols..], 6, &mut again, &team);
             assert_eq!(again, all[5 * rows..]);
             // Enough tokens to split by token (and to take the many-token kernel).
             let many = random(40 * cols, 5);
@@ -548,12 +521,12 @@ mod tests {
                     &many[t * cols..(t + 1) * cols],
                     1,
                     &mut singles[t * rows..(t + 1) * rows],
-                    1,
+                    &one_thread,
                 );
             }
             let (mut a, mut b) = (vec![0f32; 40 * rows], vec![0f32; 40 * rows]);
-            matmul(w, &many, 40, &mut a, 1);
-            matmul(w, &many, 40, &mut b, threads);
+            matmul(w, &many, 40, &mut a, &one_thread);
+            matmul(w, &many, 40, &mut b, &team);
             assert_eq!(a, b);
             assert_eq!(a, singles);
             // Grouped with another matrix: same bits, by token split and by row split.
@@ -565,7 +538,7 @@ mod tests {
                     &many[..n * cols],
                     n,
                     &mut [&mut g1, &mut g2],
-                    threads,
+                    &team,
                 );
                 assert_eq!(g1, a[..n * rows]);
                 assert_eq!(g2, a[..n * rows]);

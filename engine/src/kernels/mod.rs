@@ -29,7 +29,9 @@ mod avx512;
 mod matmul;
 pub mod ops;
 
-pub use matmul::{Format, QRef, matmul, matmul_group, repack, rows_strided};
+pub use matmul::{
+    Format, QRef, TOKENS_PER_THREAD, matmul, matmul_group, repack, rows_strided, token_split,
+};
 
 /// Partial sums per dot product.
 pub const LANES: usize = 16;

@@ -4,6 +4,14 @@ use super::{LANES, fma_lanes, hsum};
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, one row of `weight.len()` at a time.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    // Compiled for the detected instruction set: outside `dispatch!` each fused multiply-add
+    // was a call to the library's `fmaf` (same bits, several times slower; at a 512-token
+    // prefill the serial norms outlasted the compute threads' spin and they went to sleep).
+    crate::dispatch!(rms_norm_rows(x, weight, eps, out))
+}
+
+#[inline(always)]
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         let mut acc = [0f32; LANES];
