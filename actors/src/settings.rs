@@ -25,6 +25,9 @@ pub struct ServingConfig {
     /// Several routers of one host share `http` (SO_REUSEPORT): the kernel spreads new
     /// connections over the live ones, so a router that dies takes no new connection.
     pub http_reuse_port: bool,
+    /// One info line per HTTP request on the router (`serving.access_log`, default on): method,
+    /// path, status, tokens, TTFT and total time, under the log target `duet::access`.
+    pub access_log: bool,
     /// KV pages per worker.
     pub kv_pages: usize,
     /// KV element type.
@@ -143,6 +146,7 @@ struct RawServing {
     retries: Option<Spanned<u64>>,
     migration: Option<bool>,
     http_reuse_port: Option<bool>,
+    access_log: Option<bool>,
     migration_keep_secs: Option<Spanned<u64>>,
     shutdown_drain_secs: Option<Spanned<u64>>,
     device: Option<Spanned<String>>,
@@ -465,6 +469,7 @@ impl ServingConfig {
             retries: int(&s.retries, "serving.retries", 0, 16, 5)? as usize,
             migration: s.migration.unwrap_or(true),
             http_reuse_port: s.http_reuse_port.unwrap_or(false),
+            access_log: s.access_log.unwrap_or(true),
             migration_keep: Duration::from_secs(int(
                 &s.migration_keep_secs,
                 "serving.migration_keep_secs",

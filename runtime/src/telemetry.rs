@@ -168,12 +168,14 @@ pub fn init_node(
         )
         .build();
     let tracer = provider.tracer("duet");
-    // Spans of Duet's own crates at info and above; dependencies stay out of traces.
+    // Spans and events of Duet's own crates at debug and above (a request's per-phase events,
+    // "first token", "finished", "transfer done", are debug on the console: the access log
+    // has one line per request); dependencies stay out of traces.
     let spans = Targets::new()
         .with_default(LevelFilter::OFF)
-        .with_target("duet", LevelFilter::INFO)
-        .with_target("duet_runtime", LevelFilter::INFO)
-        .with_target("duet_actors", LevelFilter::INFO);
+        .with_target("duet", LevelFilter::DEBUG)
+        .with_target("duet_runtime", LevelFilter::DEBUG)
+        .with_target("duet_actors", LevelFilter::DEBUG);
     let otel = tracing_opentelemetry::layer()
         .with_tracer(tracer)
         .with_filter(spans);

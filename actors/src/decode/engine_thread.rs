@@ -363,10 +363,10 @@ impl DecodeCore {
                     };
                     if let Some((_, phase)) = self.spans.get(&ev.seq) {
                         if self.first_tokens.insert(ev.seq) {
-                            tracing::info!(parent: phase, token = ev.token, "first token");
+                            tracing::debug!(parent: phase, token = ev.token, "first token");
                         }
                         if let Some(reason) = ev.finish {
-                            tracing::info!(parent: phase, reason = ?reason, "finished");
+                            tracing::debug!(parent: phase, reason = ?reason, "finished");
                         }
                     }
                     if ev.finish.is_some() {

@@ -401,10 +401,10 @@ impl DecodeCore {
                         attempt,
                         local_prefill = false
                     );
-                    tracing::info!(parent: &*phase, token = ev.token, kv_bytes = d.bytes, "first token");
+                    tracing::debug!(parent: &*phase, token = ev.token, kv_bytes = d.bytes, "first token");
                     self.first_tokens.insert(t.seq);
                     if let Some(reason) = ev.finish {
-                        tracing::info!(parent: &*phase, reason = ?reason, "finished");
+                        tracing::debug!(parent: &*phase, reason = ?reason, "finished");
                     }
                 }
                 if finished {

@@ -257,7 +257,7 @@ impl KvSender {
                     done.bytes = p.bytes;
                     done.checksums = p.checksums;
                     drop(fence_span);
-                    tracing::info!(
+                    tracing::debug!(
                         parent: &to.span,
                         bytes = p.bytes,
                         exposed_ms = exposed * 1e3,

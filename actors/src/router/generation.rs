@@ -11,6 +11,7 @@ use duet_engine::SamplingParams;
 use duet_engine::scheduler::Resume;
 use duet_runtime::metrics as m;
 
+use super::access::Access;
 use super::openai::ApiError;
 use super::policy::{AfterFailure, AfterStartFailure, AttemptPolicy};
 use super::{Placement, RouterShared, Started};
@@ -39,6 +40,8 @@ pub(super) struct Generation {
     cached: usize,
     /// `duet_generation_tokens_total` for this model: looked up once per request, not per token.
     tokens_out: metrics::Counter,
+    /// The request's access-log line, when the log is on.
+    access: Option<Access>,
 }
 
 /// Starts an attempt, asking again while the policy says so: waiting (free) while no worker
@@ -85,6 +88,7 @@ impl Generation {
         prompt: Vec<u32>,
         params: SamplingParams,
         forced: Option<String>,
+        access: Option<Access>,
     ) -> Result<Generation, ApiError> {
         let arrived = std::time::Instant::now();
         if shared.ctx.drain.is_draining() {
@@ -110,6 +114,9 @@ impl Generation {
         shared
             .open
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if let Some(a) = &access {
+            a.started(started.request, prompt.len());
+        }
         let tokens_out = metrics::counter!(
             m::GENERATION_TOKENS,
             "model_name" => shared.settings.model_name.clone()
@@ -128,6 +135,7 @@ impl Generation {
             last_token: None,
             cached: 0,
             tokens_out,
+            access,
         })
     }
 
@@ -224,7 +232,7 @@ impl Generation {
                     self.finished = true;
                     let request = started.request;
                     self.shared.cancel(request);
-                    return Some(Err(ServingError::Timeout(timeout)));
+                    return Some(Err(self.failed(ServingError::Timeout(timeout))));
                 }
             };
             if let Some(error) = item.failure() {
@@ -232,7 +240,7 @@ impl Generation {
                     Ok(()) => continue,
                     Err(e) => {
                         self.finished = true;
-                        return Some(Err(e));
+                        return Some(Err(self.failed(e)));
                     }
                 }
             }
@@ -241,12 +249,15 @@ impl Generation {
                 self.generated.push(token);
                 self.emitted += item.text.len();
                 self.tokens_out.increment(1);
+                if let Some(a) = &self.access {
+                    a.token(item.cached_tokens);
+                }
                 let now = std::time::Instant::now();
                 match self.last_token {
                     None => {
                         let ttft = now.duration_since(self.arrived).as_secs_f64();
                         metrics::histogram!(m::ROUTER_TTFT).record(ttft);
-                        self.span.in_scope(|| tracing::info!(ttft, "first token"));
+                        self.span.in_scope(|| tracing::debug!(ttft, "first token"));
                     }
                     Some(last) => {
                         metrics::histogram!(m::ROUTER_ITL)
@@ -271,11 +282,24 @@ impl Generation {
                 metrics::histogram!(m::REQUEST_GENERATION_TOKENS, "model_name" => model)
                     .record(self.generated.len() as f64);
                 self.span.record("completion_tokens", self.generated.len());
-                self.span
-                    .record("finish_reason", format!("{reason:?}").to_lowercase());
+                let reason = format!("{reason:?}").to_lowercase();
+                if let Some(a) = &self.access {
+                    a.finished(&reason);
+                }
+                self.span.record("finish_reason", reason);
             }
             return Some(Ok(item));
         }
+    }
+}
+
+impl Generation {
+    /// Notes on the access line why the request ended early, and passes the error on.
+    fn failed(&self, e: ServingError) -> ServingError {
+        if let Some(a) = &self.access {
+            a.failed(&e.to_string());
+        }
+        e
     }
 }
 

@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::RouterShared;
+use super::access::{self, Access};
 use super::generation::Generation;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use super::stream::{chat_logprobs, completion_logprobs, stream_response};
@@ -52,6 +53,11 @@ pub fn app(shared: Arc<RouterShared>) -> axum::Router {
         .layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             api_key,
+        ))
+        // Outermost, so a refused key or an unknown path gets its line too.
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            access::layer,
         ))
         .with_state(shared)
 }
@@ -180,6 +186,7 @@ async fn completions(State(s): State<Arc<RouterShared>>, req: Request) -> Respon
 }
 
 async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
+    let access = req.extensions().get::<Access>().cloned();
     let result = async {
         let r: ChatRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
@@ -216,12 +223,13 @@ async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
     }
     .await;
     match result {
-        Ok((prompt, common)) => serve(s, Api::Chat, prompt, common).await,
+        Ok((prompt, common)) => serve(s, Api::Chat, prompt, common, access).await,
         Err(e) => e.into_response(),
     }
 }
 
 async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
+    let access = req.extensions().get::<Access>().cloned();
     let result = async {
         let r: CompletionRequest = body_json(req).await?;
         check_model(&s, r.model.as_deref())?;
@@ -256,7 +264,7 @@ async fn completions_inner(s: Arc<RouterShared>, req: Request) -> Response {
     }
     .await;
     match result {
-        Ok((prompt, common)) => serve(s, Api::Completion, prompt, common).await,
+        Ok((prompt, common)) => serve(s, Api::Completion, prompt, common, access).await,
         Err(e) => e.into_response(),
     }
 }
@@ -400,13 +408,19 @@ pub(super) fn finish_str(f: Option<FinishReason>) -> Value {
     }
 }
 
-async fn serve(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
+async fn serve(
+    s: Arc<RouterShared>,
+    api: Api,
+    prompt: Vec<u32>,
+    c: Common,
+    access: Option<Access>,
+) -> Response {
     let endpoint = if api == Api::Chat {
         "chat"
     } else {
         "completions"
     };
-    let response = serve_inner(s, api, prompt, c).await;
+    let response = serve_inner(s, api, prompt, c, access).await;
     let outcome = if response.status().is_success() {
         "ok"
     } else if response.status().is_client_error() {
@@ -419,7 +433,13 @@ async fn serve(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> R
     response
 }
 
-async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common) -> Response {
+async fn serve_inner(
+    s: Arc<RouterShared>,
+    api: Api,
+    prompt: Vec<u32>,
+    c: Common,
+    access: Option<Access>,
+) -> Response {
     let prompt_param = match api {
         Api::Chat => "messages",
         Api::Completion => "prompt",
@@ -432,7 +452,7 @@ async fn serve_inner(s: Arc<RouterShared>, api: Api, prompt: Vec<u32>, c: Common
     let model = s.settings.model_name.clone();
     let logprobs = c.wants_logprobs();
     let mut generation =
-        match Generation::start(s.clone(), prompt, params, c.duet_pair.clone()).await {
+        match Generation::start(s.clone(), prompt, params, c.duet_pair.clone(), access).await {
             Ok(g) => g,
             Err(e) => return e.into_response(),
         };

@@ -11,6 +11,7 @@
 //! [`policy`] (a pure state machine: retries, migrations, waiting for workers), driven by its
 //! generation (`generation.rs`, the shell that starts attempts and streams their tokens).
 
+mod access;
 pub mod affinity;
 mod generation;
 pub mod http;
