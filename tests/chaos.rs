@@ -92,6 +92,12 @@ async fn run_chaos(extra: &str, secs: u64, flags: &[&str]) {
     args.extend_from_slice(flags);
     let out = duet(&args).await;
     eprintln!("{}", out.stdout);
+    // Progress on stderr every 5 s while the load runs; stdout keeps only the report.
+    assert!(
+        secs < 10 || out.stderr.contains(" requests: "),
+        "no progress line: {}",
+        out.stderr
+    );
     let report: Value = serde_json::from_str(out.stdout.trim()).expect("a JSON report");
     assert_eq!(report["unfinished"], 0, "{report}");
     assert_eq!(report["corrupted"], 0, "{report}");
