@@ -6,6 +6,7 @@
 //! - `duet credentials` creates the cluster certificate, key and token.
 //! - `duet fetch-model`, `duet generate`, `duet tiny-model`: the model and the engine alone.
 //! - `duet sim`: the deterministic simulator (capacity planner, fault seeds, calibration).
+//! - `duet trace ID`: one request's spans from Jaeger as a waterfall (terminal, PNG).
 
 mod admin_cli;
 mod bench;
@@ -13,6 +14,7 @@ mod chaos;
 mod generate;
 mod rollout;
 mod sim;
+mod trace;
 mod up;
 
 use std::path::PathBuf;
@@ -173,6 +175,21 @@ enum Command {
     Sim(sim::SimArgs),
     /// Load a running cluster while killing a random serving actor at an interval; report.
     Chaos(chaos::ChaosArgs),
+    /// Draw one request's spans across router, prefill and decode as a waterfall, read from
+    /// Jaeger's query API (the trace id is the second field of a traceparent).
+    Trace {
+        /// The trace id (32 hex digits).
+        trace_id: String,
+        /// Jaeger's query API.
+        #[arg(long, default_value = trace::DEFAULT_JAEGER)]
+        jaeger: String,
+        /// Also draw it into this PNG file.
+        #[arg(long)]
+        png: Option<PathBuf>,
+        /// Columns of the terminal timeline.
+        #[arg(long, default_value_t = 60)]
+        width: usize,
+    },
     /// Check this build's CUDA parts on a real GPU against the CPU (what tools/gpu-check.sh
     /// runs): the context's lifecycle, the KV pool in device memory, staging, every kernel.
     GpuCheck {
@@ -265,6 +282,12 @@ async fn run(cli: Cli) -> ExitCode {
         Command::Bench(args) => bench::run(args).await,
         Command::Sim(args) => sim::run(args).await,
         Command::Chaos(args) => chaos::run(args).await,
+        Command::Trace {
+            trace_id,
+            jaeger,
+            png,
+            width,
+        } => trace::run(&trace_id, &jaeger, png.as_deref(), width.clamp(10, 400)).await,
         Command::FetchModel { .. }
         | Command::Generate(_)
         | Command::TinyModel { .. }

@@ -248,6 +248,51 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
     assert!(events.iter().any(|e| e == "first token"), "{events:?}");
     assert!(events.iter().any(|e| e == "finished"), "{events:?}");
 
+    // `duet trace` draws the same trace from the query API: a row per span, under its parent.
+    let png = c.dir.path().join("trace.png");
+    let query = format!("http://127.0.0.1:{}", jaeger.query);
+    let out = duet(&[
+        "trace",
+        trace_id,
+        "--jaeger",
+        &query,
+        "--png",
+        path_str(&png),
+    ])
+    .await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let span_count = trace["spans"].as_array().map_or(0, Vec::len);
+    assert!(
+        out.stdout
+            .starts_with(&format!("trace {trace_id}: {span_count} spans, 3 services")),
+        "{}",
+        out.stdout
+    );
+    let rows: Vec<&str> = out.stdout.lines().skip(2).collect();
+    assert_eq!(rows.len(), span_count, "{}", out.stdout);
+    assert!(rows[0].contains("POST /v1/completions"), "{}", out.stdout);
+    assert!(
+        rows.iter()
+            .any(|r| r.starts_with("duet-d0") && r.contains("    decoding")),
+        "decoding two levels under the request: {}",
+        out.stdout
+    );
+    let image = std::fs::read(&png).expect("the PNG");
+    assert!(image.starts_with(b"\x89PNG"), "not a PNG");
+    let missing = duet(&[
+        "trace",
+        "0123456789abcdef0123456789abcdef",
+        "--jaeger",
+        &query,
+    ])
+    .await;
+    assert!(!missing.status.success());
+    assert!(
+        missing.stderr.contains("error: trace:"),
+        "{}",
+        missing.stderr
+    );
+
     // The same request in the metrics: latency histograms on the router, pages on decode.
     let token = c.token();
     let router = duet_runtime::admin::client::metrics_text(

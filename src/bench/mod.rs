@@ -11,7 +11,7 @@
 
 pub(crate) mod client;
 mod experiment;
-mod plots;
+pub(crate) mod plots;
 pub mod stats;
 
 use std::net::SocketAddr;

@@ -19,7 +19,7 @@ const FONTS: &[&str] = &[
 ];
 
 /// Registers a system font for plot text once; false when none is found.
-fn font() -> bool {
+pub(crate) fn font() -> bool {
     static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FONT.get_or_init(|| {
         for path in FONTS {
