@@ -46,3 +46,69 @@ async fn the_interference_experiment_writes_every_field() {
         assert!(bytes.starts_with(b"\x89PNG"), "{png} is not a PNG");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
+    let c = ClusterDir::tiny(&[("router", "router"), ("d0", "decode")], "");
+    c.credentials(&c.config).await;
+    let _up = Running::up(&c.config).await;
+    router_ready(c.http, 1).await;
+    let url = format!("http://127.0.0.1:{}", c.http);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // `vllm bench serve`'s names: the request count ends the run, not the clock.
+    let result = dir.path().join("result.json");
+    let out = duet(&[
+        "bench",
+        "--base-url",
+        &url,
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        "3",
+        "--random-input-len",
+        "24",
+        "--random-output-len",
+        "4",
+        "--num-prompts",
+        "7",
+        "--result-filename",
+        path_str(&result),
+    ])
+    .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.starts_with("7 requests in"), "{}", out.stdout);
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&result).expect("result")).expect("JSON");
+    assert_eq!(v["requests"].as_array().map(Vec::len), Some(7), "{v}");
+    // A sweep over two rates: a row each, and the curve.
+    let plots = dir.path().join("plots");
+    let out = duet(&[
+        "bench",
+        "--url",
+        &url,
+        "--sweep",
+        "2,8",
+        "--num-prompts",
+        "6",
+        "--prompt-len",
+        "24",
+        "--output-len",
+        "4",
+        "--plots",
+        path_str(&plots),
+    ])
+    .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let rows: Vec<&str> = out.stdout.lines().skip(1).take(2).collect();
+    assert!(rows[0].trim_start().starts_with("2.00"), "{}", out.stdout);
+    assert!(rows[1].trim_start().starts_with("8.00"), "{}", out.stdout);
+    let png = std::fs::read(plots.join("sweep.png")).expect("sweep.png");
+    assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    let bad = duet(&["bench", "--url", &url, "--request-rate", "0"]).await;
+    assert!(!bad.status.success());
+    assert!(
+        bad.stderr.contains("a rate is requests per second"),
+        "{}",
+        bad.stderr
+    );
+}

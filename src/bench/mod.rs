@@ -75,21 +75,31 @@ pub enum Experiment {
 /// `duet bench` arguments.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// The router's base URL (plain runs).
-    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    /// The router's base URL (plain runs). Also `--base-url`, as `vllm bench serve` names it.
+    #[arg(long, alias = "base-url", default_value = "http://127.0.0.1:8000")]
     pub url: String,
-    /// Open loop: Poisson arrivals at this many requests per second.
-    #[arg(long)]
+    /// Open loop: Poisson arrivals at this many requests per second. Also `--request-rate`
+    /// (`inf` there: every request at once, which here is the closed loop of --concurrency).
+    #[arg(long, alias = "request-rate", value_parser = parse_rate)]
     pub rate: Option<f64>,
-    /// Closed loop (without --rate): this many requests in flight.
-    #[arg(long, default_value_t = 4)]
+    /// Closed loop (without --rate): this many requests in flight. Also `--max-concurrency`.
+    #[arg(long, alias = "max-concurrency", default_value_t = 4)]
     pub concurrency: usize,
-    /// Prompt length in tokens: N or A..B.
-    #[arg(long, default_value = "128")]
+    /// Prompt length in tokens: N or A..B. Also `--random-input-len`.
+    #[arg(long, alias = "random-input-len", default_value = "128")]
     pub prompt_len: LenDist,
-    /// Output length in tokens: N or A..B.
-    #[arg(long, default_value = "64")]
+    /// Output length in tokens: N or A..B. Also `--random-output-len`.
+    #[arg(long, alias = "random-output-len", default_value = "64")]
     pub output_len: LenDist,
+    /// Send this many requests, then stop (instead of sending for --duration), as `vllm
+    /// bench serve --num-prompts` does.
+    #[arg(long)]
+    pub num_prompts: Option<usize>,
+    /// Run the load once per request rate of this list (`1,2,4,8`), --duration (or
+    /// --num-prompts) each, and print throughput against latency per rate; with --plots, draw
+    /// the curve into `sweep.png`.
+    #[arg(long, value_delimiter = ',')]
+    pub sweep: Vec<f64>,
     /// Seed of the arrivals, lengths and prompts.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -102,8 +112,8 @@ pub struct BenchArgs {
     /// Goodput: every inter-token gap at most this (ms).
     #[arg(long, default_value_t = 200.0)]
     pub slo_itl_ms: f64,
-    /// Write every figure as JSON here.
-    #[arg(long)]
+    /// Write every figure as JSON here. Also `--result-filename`.
+    #[arg(long, alias = "result-filename")]
     pub json: Option<PathBuf>,
     /// Run an experiment instead of a plain load.
     #[arg(long, value_enum)]
@@ -161,6 +171,7 @@ pub async fn run(args: BenchArgs) -> ExitCode {
     let result = match args.experiment {
         Some(Experiment::Interference) => experiment::interference(&args).await,
         Some(Experiment::Transfer) => experiment::transfer(&args),
+        None if !args.sweep.is_empty() => sweep(&args).await,
         None => plain(&args).await,
     };
     match result {
@@ -169,6 +180,19 @@ pub async fn run(args: BenchArgs) -> ExitCode {
             eprintln!("error: bench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// A request rate: a positive number, or `inf` (vLLM's "all at once": the closed loop).
+fn parse_rate(s: &str) -> Result<f64, String> {
+    if s.eq_ignore_ascii_case("inf") {
+        return Ok(f64::INFINITY);
+    }
+    match s.parse::<f64>() {
+        Ok(r) if r > 0.0 => Ok(r),
+        _ => Err(format!(
+            "`{s}`: a rate is requests per second above 0, or inf"
+        )),
     }
 }
 
@@ -197,7 +221,7 @@ async fn plain(args: &BenchArgs) -> Result<(), String> {
         ttft_ms: args.slo_ttft_ms,
         itl_ms: args.slo_itl_ms,
     };
-    let (records, seconds) = load(addr, args).await;
+    let (records, seconds) = load(addr, args, args.rate).await;
     let summary = stats::summarize(&records, seconds, slo);
     println!(
         "{} requests in {seconds:.1} s ({} failed): {:.1} output tok/s, {:.2} req/s, goodput {:.2} req/s ({:.0} % within TTFT <= {} ms and ITL <= {} ms)",
@@ -249,25 +273,86 @@ async fn plain(args: &BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// `--sweep`: one load per rate, then throughput against latency (a table, and a PNG with
+/// --plots), as `vllm bench serve` runs over request rates.
+async fn sweep(args: &BenchArgs) -> Result<(), String> {
+    let addr = parse_url(&args.url)?;
+    let slo = Slo {
+        ttft_ms: args.slo_ttft_ms,
+        itl_ms: args.slo_itl_ms,
+    };
+    let mut points = Vec::new();
+    println!(
+        "{:>8} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}",
+        "rate", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "failed"
+    );
+    for &rate in &args.sweep {
+        let (records, seconds) = load(addr, args, Some(rate)).await;
+        let s = stats::summarize(&records, seconds, slo);
+        println!(
+            "{rate:>8.2} {:>8.2} {:>10.1} {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>7}",
+            s.requests_per_s,
+            s.throughput_tok_s,
+            s.ttft_p50_ms,
+            s.ttft_p99_ms,
+            s.itl_p50_ms,
+            s.itl_p99_ms,
+            s.failed
+        );
+        points.push((rate, s));
+    }
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join("sweep.png");
+        plots::sweep(&path, &points)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.json {
+        let out = serde_json::json!({
+            "sweep": points.iter().map(|(rate, s)| serde_json::json!({"rate": rate, "summary": s})).collect::<Vec<_>>(),
+            "slo": slo,
+        });
+        write_json(path, &out)?;
+    }
+    Ok(())
+}
+
 pub(crate) fn write_json(path: &std::path::Path, v: &serde_json::Value) -> Result<(), String> {
     let text = serde_json::to_string_pretty(v).map_err(|e| e.to_string())?;
     std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Sends the load for `args.duration` seconds; returns the records and the seconds it took.
-async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
+async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<RequestRecord>, f64) {
     let epoch = Instant::now();
-    let end = epoch + Duration::from_secs_f64(args.duration);
+    // With --num-prompts the count ends the run, not the clock.
+    let end = epoch
+        + match args.num_prompts {
+            Some(_) => Duration::from_secs(24 * 3600),
+            None => Duration::from_secs_f64(args.duration),
+        };
+    let left = Arc::new(std::sync::atomic::AtomicUsize::new(
+        args.num_prompts.unwrap_or(usize::MAX),
+    ));
+    // One more request may be sent: false once the count is used up.
+    let take = |left: &std::sync::atomic::AtomicUsize| {
+        left.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |n| n.checked_sub(1),
+        )
+        .is_ok()
+    };
     let bar = progress(args.duration);
     let mut rng = StdRng::seed_from_u64(args.seed);
     let prompts = Prompts::new(args);
     let records = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    match args.rate {
-        Some(rate) if rate > 0.0 => {
+    match rate {
+        Some(rate) if rate > 0.0 && rate.is_finite() => {
             // Open loop: exponential gaps, whatever the server does.
             let mut next = epoch;
-            while next < end {
+            while next < end && take(&left) {
                 tokio::time::sleep_until(next.into()).await;
                 let n = args.prompt_len.draw(&mut rng);
                 let ask = Ask {
@@ -289,14 +374,15 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
         _ => {
             for w in 0..args.concurrency.max(1) {
                 let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(w as u64));
-                let (records, prompt_len, output_len, prompts) = (
+                let (records, prompt_len, output_len, prompts, left) = (
                     records.clone(),
                     args.prompt_len,
                     args.output_len,
                     prompts.clone(),
+                    left.clone(),
                 );
                 tasks.push(tokio::spawn(async move {
-                    while Instant::now() < end {
+                    while Instant::now() < end && take(&left) {
                         let n = prompt_len.draw(&mut rng);
                         let ask = Ask {
                             prompt: prompts.draw(&mut rng, n),
@@ -309,7 +395,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs) -> (Vec<RequestRecord>, f64) {
                     }
                 }));
             }
-            while Instant::now() < end {
+            while Instant::now() < end && !tasks.iter().all(|t| t.is_finished()) {
                 bar.set_position(epoch.elapsed().as_millis() as u64);
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

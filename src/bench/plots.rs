@@ -259,3 +259,82 @@ fn ttft_cdf(path: &Path, runs: &[ModeRun], labels: bool) -> Result<(), String> {
     }
     root.present().map_err(err)
 }
+
+/// `--sweep`'s curve: output tokens per second (x) against TTFT p50 and p99 and ITL p99 (y,
+/// ms), a point per request rate, labelled with its rate.
+pub fn sweep(path: &Path, points: &[(f64, stats::Summary)]) -> Result<(), String> {
+    let labels = font();
+    let root = BitMapBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let x_max = points
+        .iter()
+        .map(|(_, s)| s.throughput_tok_s)
+        .fold(1.0, f64::max)
+        * 1.1;
+    let y_max = points
+        .iter()
+        .map(|(_, s)| s.ttft_p99_ms.max(s.itl_p99_ms))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let mut chart = ChartBuilder::on(&root);
+    chart.margin(20).x_label_area_size(40).y_label_area_size(60);
+    if labels {
+        chart.caption(
+            "Throughput against latency, a point per request rate",
+            ("sans-serif", 22),
+        );
+    }
+    let mut chart = chart
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(err)?;
+    if labels {
+        chart
+            .configure_mesh()
+            .x_desc("output tokens / s")
+            .y_desc("ms")
+            .draw()
+            .map_err(err)?;
+    }
+    type Figure = fn(&stats::Summary) -> f64;
+    let series: [(&str, RGBColor, Figure); 3] = [
+        ("TTFT p50", COLORS[1], |s| s.ttft_p50_ms),
+        ("TTFT p99", COLORS[0], |s| s.ttft_p99_ms),
+        ("ITL p99", RGBColor(44, 160, 44), |s| s.itl_p99_ms),
+    ];
+    for (name, colour, y) in series {
+        let pts: Vec<(f64, f64)> = points
+            .iter()
+            .map(|(_, s)| (s.throughput_tok_s, y(s)))
+            .collect();
+        let drawn = chart
+            .draw_series(LineSeries::new(pts.clone(), colour.stroke_width(2)))
+            .map_err(err)?;
+        if labels {
+            drawn
+                .label(name)
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour));
+        }
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 4, colour.filled())))
+            .map_err(err)?;
+    }
+    if labels {
+        for (rate, s) in points {
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    format!("{rate} req/s"),
+                    (s.throughput_tok_s, s.ttft_p99_ms),
+                    ("sans-serif", 13).into_font(),
+                )))
+                .map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}
