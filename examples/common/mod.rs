@@ -119,13 +119,10 @@ impl Cluster {
     }
 }
 
-/// `GET path` over plain HTTP/1.1: status and body.
+/// `GET path` over plain HTTP/1.0 (so the body comes whole, not in chunks): status and body.
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect(addr)?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n"
-    )?;
+    write!(s, "GET {path} HTTP/1.0\r\nhost: {addr}\r\n\r\n")?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
     let status = text
