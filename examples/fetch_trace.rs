@@ -35,28 +35,13 @@ impl Drop for Jaeger {
 }
 
 fn start_jaeger() -> Jaeger {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/jaeger/install.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("tools/jaeger/install.sh");
-    assert!(out.status.success(), "building Jaeger failed");
-    let bin = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let bin = duet_runtime::testing::pinned_tool(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tools/jaeger/install.sh"
+    )));
     let ports = duet_runtime::testing::free_loopback_ports(3);
     let (query, grpc, otlp) = (ports[0], ports[1], ports[2]);
-    // All in one, traces in memory, OTLP over HTTP in, the query API out.
-    let config = format!(
-        "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
-         receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
-         telemetry:\n    metrics:\n      level: none\n\
-         extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
-         endpoint: 127.0.0.1:{query}\n    grpc:\n      endpoint: 127.0.0.1:{grpc}\n  \
-         jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 1000\n\
-         receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{otlp}\n\
-         processors:\n  batch:\n    timeout: 100ms\n\
-         exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n"
-    );
+    let config = duet_runtime::testing::jaeger_config(query, grpc, otlp);
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("jaeger.yaml");
     std::fs::write(&path, config).expect("jaeger.yaml");

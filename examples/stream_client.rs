@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 #[tokio::main]
-async fn main() {
+async fn main() -> Result<(), String> {
     duet_runtime::telemetry::init_logs("warn");
     let (addr, _cluster): (SocketAddr, Option<common::Cluster>) = match std::env::args().nth(1) {
         Some(url) => {
@@ -28,7 +28,7 @@ async fn main() {
             let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
                 .ok()
                 .and_then(|mut a| a.next())
-                .unwrap_or_else(|| panic!("{url}: give http://HOST:PORT"));
+                .ok_or_else(|| format!("{url}: give http://HOST:PORT"))?;
             (addr, None)
         }
         None => {
@@ -41,11 +41,13 @@ async fn main() {
             (c.http, Some(c))
         }
     };
-    let (_, models) = common::get(addr, "/v1/models").expect("the router answers");
-    let models: serde_json::Value = serde_json::from_str(&models).expect("a model list");
+    // What the router sends is data from the network: a clear error, never a panic.
+    let (_, models) = common::get(addr, "/v1/models").map_err(|e| format!("http://{addr}: {e}"))?;
+    let models: serde_json::Value = serde_json::from_str(&models)
+        .map_err(|e| format!("http://{addr}/v1/models is not a model list: {e}"))?;
     let model = models["data"][0]["id"]
         .as_str()
-        .expect("a served model")
+        .ok_or_else(|| format!("http://{addr}/v1/models names no model: {models}"))?
         .to_string();
     println!(
         "streaming from http://{addr}/v1 (model {model}; the tiny model's random weights write noise):\n"
@@ -71,16 +73,17 @@ async fn main() {
             usage = event["usage"].clone();
         }
     })
-    .expect("the stream");
+    .map_err(|e| format!("the stream from http://{addr}: {e}"))?;
     let total = start.elapsed();
-    let first = first.expect("no token arrived");
+    let first = first.ok_or_else(|| "the stream ended without a token".to_string())?;
     println!(
         "\n\n{pieces} chunks; first after {:.1} ms, all after {:.1} ms; usage {usage}",
         first.as_secs_f64() * 1e3,
         total.as_secs_f64() * 1e3
     );
-    assert!(
-        usage["completion_tokens"].as_u64() > Some(0),
-        "no usage at the end"
-    );
+    if usage["completion_tokens"].as_u64() > Some(0) {
+        Ok(())
+    } else {
+        Err("the stream ended without its usage".into())
+    }
 }

@@ -107,18 +107,22 @@ pub fn rows(answer: &Value) -> Result<Vec<Row>, String> {
     Ok(out)
 }
 
+/// Microseconds from the trace's first start to its last end (at least 1, a divisor).
+fn span_us(rows: &[Row]) -> u64 {
+    rows.iter()
+        .map(|r| r.start_us + r.duration_us)
+        .max()
+        .unwrap_or(0)
+        .max(1)
+}
+
 fn ms(us: u64) -> f64 {
     us as f64 / 1e3
 }
 
 /// The waterfall as text, `width` columns of timeline.
 pub fn text(trace_id: &str, rows: &[Row], width: usize) -> String {
-    let total = rows
-        .iter()
-        .map(|r| r.start_us + r.duration_us)
-        .max()
-        .unwrap_or(0)
-        .max(1);
+    let total = span_us(rows);
     let services: std::collections::BTreeSet<&str> =
         rows.iter().map(|r| r.service.as_str()).collect();
     let name_width = rows
@@ -166,12 +170,7 @@ pub fn text(trace_id: &str, rows: &[Row], width: usize) -> String {
 /// system font is found.
 pub fn png(path: &Path, trace_id: &str, rows: &[Row]) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
-    let total = rows
-        .iter()
-        .map(|r| r.start_us + r.duration_us)
-        .max()
-        .unwrap_or(0)
-        .max(1);
+    let total = span_us(rows);
     let (row_h, label_w, bar_w) = (22u32, 360u32, 900u32);
     let height = 40 + row_h * rows.len().max(1) as u32 + 30;
     let root = BitMapBackend::new(path, (label_w + bar_w + 20, height)).into_drawing_area();

@@ -14,14 +14,9 @@ use common::*;
 use serde_json::Value;
 
 fn prometheus_bin() -> PathBuf {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/prometheus/install.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("tools/prometheus/install.sh");
-    assert!(out.status.success(), "building Prometheus failed");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    duet_runtime::testing::pinned_tool(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/prometheus/install.sh"),
+    )
 }
 
 /// `GET path` of Prometheus's HTTP API with `query` (url-encoded), as JSON.

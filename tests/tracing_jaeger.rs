@@ -15,14 +15,9 @@ const CHUNK: usize = 32;
 
 /// The Jaeger binary (built once by tools/jaeger/install.sh).
 fn jaeger_bin() -> PathBuf {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/jaeger/install.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("tools/jaeger/install.sh");
-    assert!(out.status.success(), "building Jaeger failed");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    duet_runtime::testing::pinned_tool(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/jaeger/install.sh"),
+    )
 }
 
 /// A Jaeger on loopback with in-memory storage; killed on drop.
@@ -39,17 +34,7 @@ impl Jaeger {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = free_ports(3);
         let (query, grpc, otlp) = (ports[0], ports[1], ports[2]);
-        let config = format!(
-            "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
-             receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
-             telemetry:\n    metrics:\n      level: none\n\
-             extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
-             endpoint: 127.0.0.1:{query}\n    grpc:\n      endpoint: 127.0.0.1:{grpc}\n  \
-             jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 10000\n\
-             receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{otlp}\n\
-             processors:\n  batch:\n    timeout: 100ms\n\
-             exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n"
-        );
+        let config = duet_runtime::testing::jaeger_config(query, grpc, otlp);
         let path = dir.path().join("jaeger.yaml");
         std::fs::write(&path, config).expect("jaeger config");
         let child = tokio::process::Command::new(bin)

@@ -24,3 +24,31 @@ pub fn free_loopback_ports(n: usize) -> Vec<u16> {
     }
     held.iter().map(|(_, _, p)| *p).collect()
 }
+
+/// The configuration of an all-in-one Jaeger (v2) for tests and examples: traces in memory,
+/// OTLP over HTTP in on `otlp`, the query API on `query` (HTTP) and `grpc`, all on loopback.
+pub fn jaeger_config(query: u16, grpc: u16, otlp: u16) -> String {
+    format!(
+        "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
+         receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
+         telemetry:\n    metrics:\n      level: none\n\
+         extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
+         endpoint: 127.0.0.1:{query}\n    grpc:\n      endpoint: 127.0.0.1:{grpc}\n  \
+         jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 10000\n\
+         receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{otlp}\n\
+         processors:\n  batch:\n    timeout: 100ms\n\
+         exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n"
+    )
+}
+
+/// Runs a `tools/NAME/install.sh` (which builds the pinned tool once and caches it) and
+/// returns the path it prints.
+pub fn pinned_tool(script: &std::path::Path) -> std::path::PathBuf {
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
