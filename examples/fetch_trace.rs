@@ -39,9 +39,9 @@ fn start_jaeger() -> Jaeger {
         env!("CARGO_MANIFEST_DIR"),
         "/tools/jaeger/install.sh"
     )));
-    let ports = duet_runtime::testing::free_loopback_ports(3);
-    let (query, grpc, otlp) = (ports[0], ports[1], ports[2]);
-    let config = duet_runtime::testing::jaeger_config(query, grpc, otlp);
+    let ports = duet_runtime::testing::JaegerPorts::free();
+    let (query, otlp) = (ports.query, ports.otlp_http);
+    let config = duet_runtime::testing::jaeger_config(ports);
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("jaeger.yaml");
     std::fs::write(&path, config).expect("jaeger.yaml");

@@ -37,6 +37,12 @@ pub struct GenerateArgs {
     /// Nucleus sampling threshold.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// OpenAI's presence penalty (-2 to 2): subtracted from every generated token's logit.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// OpenAI's frequency penalty (-2 to 2): subtracted once per time a token was generated.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
     /// Keep only the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
@@ -213,6 +219,10 @@ fn run(args: GenerateArgs) -> Result<(), String> {
         min_tokens: 0,
         ignore_eos: args.ignore_eos,
         stop: args.stop.clone(),
+        penalties: duet_engine::sampling::Penalties {
+            presence: args.presence_penalty,
+            frequency: args.frequency_penalty,
+        },
     };
     runner
         .submit(0, prompt.clone(), params)

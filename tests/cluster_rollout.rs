@@ -1,6 +1,7 @@
 //! `duet rollout` as a rolling upgrade under load (the tiny model, real processes under
-//! `duet up`): the binary `duet up` runs is replaced on disk by a later build (one that speaks
-//! wire versions 1 and 2, through the test-only `DUET_TEST_WIRE_VERSIONS`), and the decode
+//! `duet up`): the cluster starts as an older build (wire version 1 alone, through the
+//! test-only `DUET_TEST_WIRE_VERSIONS`), the binary `duet up` runs is replaced on disk by this
+//! build (versions 1 and 2: version 2 carries the tracestate), and the decode
 //! nodes restart one by one through drain, restart, ready, resume. No request fails or is
 //! answered differently; the new nodes talk version 2 to each other and version 1 to the old
 //! router and prefill node. Then a build that shares no version with the cluster is rolled
@@ -87,8 +88,11 @@ async fn a_rolling_upgrade_of_the_decode_nodes_fails_no_request() {
     if std::fs::hard_link(&real, &bin).is_err() {
         std::fs::copy(&real, &bin).expect("copy the binary");
     }
+    // The cluster starts as "an older build" that speaks wire version 1 alone (the nodes
+    // inherit the variable; each later build sets its own).
     let mut up = Command::new(&bin);
-    up.args(["up", "--config", path_str(&c.config)]);
+    up.args(["up", "--config", path_str(&c.config)])
+        .env(duet_runtime::wire::TEST_VERSIONS_ENV, "1-1");
     let _up = Running::spawn(up, "duet up", "ready").await;
     router_ready(http, 3).await;
     let token = c.token();

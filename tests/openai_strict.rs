@@ -3,10 +3,12 @@
 //!
 //! - no `null` where the schema wants a string (`system_fingerprint` is omitted);
 //! - `model` is required (400 naming it); a field Duet does not implement (`tools`,
-//!   `response_format`, `logit_bias`, non-zero penalties, `top_logprobs`, ...) is a 400 naming
-//!   the field, at once, not a request run to the context limit; `null` counts as absent;
+//!   `response_format`, `logit_bias`, `top_logprobs`, ...) is a 400 naming the field, at once,
+//!   not a request run to the context limit; `null` counts as absent; presence and frequency
+//!   penalties are applied (and checked to be within -2..2);
 //! - streamed usage carries `prompt_tokens_details.cached_tokens`;
-//! - `/v1/models` gives `max_model_len` and a real `created`;
+//! - `/v1/models` gives `max_model_len` and a real `created`; `/v1/models/{model}` the same
+//!   object (404 `model_not_found` for another name);
 //! - 404 and 405 are OpenAI-shaped;
 //! - with `api_keys`, the public API needs `Authorization: Bearer KEY` (401 otherwise) while
 //!   `/health`, `/ready` and `/metrics` stay open.
@@ -154,9 +156,10 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         ),
         ("logit_bias", json!({"5": 10}), "/v1/completions"),
         ("echo", json!(true), "/v1/completions"),
-        ("presence_penalty", json!(0.5), "/v1/completions"),
-        ("frequency_penalty", json!(-1.0), "/v1/chat/completions"),
         ("top_logprobs", json!(3), "/v1/chat/completions"),
+        // Out of OpenAI's range.
+        ("presence_penalty", json!(2.5), "/v1/completions"),
+        ("frequency_penalty", json!(-3), "/v1/chat/completions"),
     ] {
         let mut body = if path == "/v1/completions" {
             ok.clone()
@@ -183,6 +186,31 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
     let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&unset), None).await;
     assert_eq!(code, 200, "{v}");
 
+    // Presence and frequency penalties change what greedy decoding repeats, on the
+    // disaggregated path (prefill samples the first token, decode the rest).
+    let greedy = json!({"model": ok["model"], "prompt": [9, 10, 11], "max_tokens": 24,
+                        "temperature": 0, "ignore_eos": true});
+    let text = |v: &Value| {
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (code, plain) = request(http, "POST", "/v1/completions", Some(&greedy), None).await;
+    assert_eq!(code, 200, "{plain}");
+    let mut penalized = greedy.clone();
+    penalized["frequency_penalty"] = json!(2.0);
+    penalized["presence_penalty"] = json!(2.0);
+    let (code, pen) = request(http, "POST", "/v1/completions", Some(&penalized), None).await;
+    assert_eq!(code, 200, "{pen}");
+    assert_ne!(text(&plain), text(&pen), "the penalties changed nothing");
+    let (_, again) = request(http, "POST", "/v1/completions", Some(&penalized), None).await;
+    assert_eq!(
+        text(&pen),
+        text(&again),
+        "penalized greedy decoding is deterministic"
+    );
+
     // /v1/models: max_model_len and a real created.
     let (code, v) = request(http, "GET", "/v1/models", None, None).await;
     assert_eq!(code, 200, "{v}");
@@ -192,6 +220,13 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         m["created"].as_u64().is_some_and(|t| t > 1_600_000_000),
         "{v}"
     );
+    // One model by name: the same object; another name is 404 model_not_found.
+    let path = format!("/v1/models/{}", m["id"].as_str().unwrap_or_default());
+    let (code, one) = request(http, "GET", &path, None, None).await;
+    assert_eq!((code, &one), (200, m), "{one}");
+    let (code, none) = request(http, "GET", "/v1/models/gpt-4", None, None).await;
+    assert_eq!(code, 404, "{none}");
+    assert_eq!(none["error"]["code"], "model_not_found", "{none}");
 
     // Metrics an operator charts first, under vLLM's names (duet_ prefixed), with model_name,
     // `# HELP` on every family, `_total` on counters only.

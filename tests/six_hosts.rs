@@ -192,9 +192,14 @@ async fn six_hosts_serve_through_cuts_crashes_a_join_and_a_rolling_upgrade() {
     // The binary every host runs, replaced by the rolling upgrade.
     let real = std::path::PathBuf::from(duet_bin());
     let bin = dir.path().join("duet");
-    if std::fs::hard_link(&real, &bin).is_err() {
-        std::fs::copy(&real, &bin).expect("copy the binary");
-    }
+    // Every host starts on "an older build": this one, speaking wire version 1 alone.
+    let old = format!(
+        "#!/bin/sh\nDUET_TEST_WIRE_VERSIONS=1-1 exec {} \"$@\"\n",
+        real.display()
+    );
+    std::fs::write(&bin, old).expect("the old build");
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
 
     eprintln!("[{TEST}] references from duet generate");
     let refs = references().await;

@@ -1,5 +1,6 @@
 //! One request, one trace, in a real Jaeger: the router's span is the root, prefill and
-//! decode spans hang under it from their own services, with one span per prefill chunk.
+//! decode spans hang under it from their own services, with one span per prefill chunk; the
+//! client's tracestate stays on every span; spans arrive over OTLP/HTTP and over OTLP/gRPC.
 
 mod common;
 
@@ -25,6 +26,7 @@ struct Jaeger {
     child: tokio::process::Child,
     query: u16,
     otlp: u16,
+    otlp_grpc: u16,
     _dir: tempfile::TempDir,
 }
 
@@ -32,9 +34,8 @@ impl Jaeger {
     async fn start() -> Jaeger {
         let bin = jaeger_bin();
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports = free_ports(3);
-        let (query, grpc, otlp) = (ports[0], ports[1], ports[2]);
-        let config = duet_runtime::testing::jaeger_config(query, grpc, otlp);
+        let ports = duet_runtime::testing::JaegerPorts::free();
+        let config = duet_runtime::testing::jaeger_config(ports);
         let path = dir.path().join("jaeger.yaml");
         std::fs::write(&path, config).expect("jaeger config");
         let child = tokio::process::Command::new(bin)
@@ -47,8 +48,9 @@ impl Jaeger {
             .expect("start jaeger");
         let j = Jaeger {
             child,
-            query,
-            otlp,
+            query: ports.query,
+            otlp: ports.otlp_http,
+            otlp_grpc: ports.otlp_grpc,
             _dir: dir,
         };
         poll("Jaeger's query API", Duration::from_secs(60), || async {
@@ -100,6 +102,41 @@ fn spans_named<'a>(trace: &'a Value, name: &str) -> Vec<&'a Value> {
         .unwrap_or_default()
 }
 
+/// The value of a span's tag `key`, as Jaeger shows it.
+fn tag<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
+    span["tags"]
+        .as_array()?
+        .iter()
+        .find(|t| t["key"] == key)
+        .map(|t| &t["value"])
+}
+
+/// The tracestate a client sends along with its traceparent: two vendors' entries.
+const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
+
+/// Every span of every service in `services` carries the client's tracestate (Jaeger shows
+/// an OTLP span's trace_state as the tag `w3c.tracestate`).
+fn assert_tracestate_everywhere(trace: &Value, services: &[&str]) {
+    for service in services {
+        let spans: Vec<&Value> = trace["spans"]
+            .as_array()
+            .map(|s| {
+                s.iter()
+                    .filter(|s| service_of(trace, s) == *service)
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(!spans.is_empty(), "no spans from {service}");
+        for s in spans {
+            assert_eq!(
+                tag(s, "w3c.tracestate").and_then(Value::as_str),
+                Some(TRACESTATE),
+                "{service}: {s}"
+            );
+        }
+    }
+}
+
 async fn completion(http: u16, body: &Value, traceparent: &str) -> Value {
     let body = &with_model(http, body);
     let out = tokio::process::Command::new("curl")
@@ -112,6 +149,8 @@ async fn completion(http: u16, body: &Value, traceparent: &str) -> Value {
         ])
         .arg("-H")
         .arg(format!("traceparent: {traceparent}"))
+        .arg("-H")
+        .arg(format!("tracestate: {TRACESTATE}"))
         .arg("-d")
         .arg(body.to_string())
         .arg(format!("http://127.0.0.1:{http}/v1/completions"))
@@ -179,6 +218,28 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
         "continues the client's span"
     );
     let request_id = request["spanID"].as_str().unwrap_or_default();
+    // Named by the OpenTelemetry conventions for HTTP servers and generative AI.
+    for (key, want) in [
+        ("http.request.method", json!("POST")),
+        ("http.route", json!("/v1/completions")),
+        ("http.response.status_code", json!(200)),
+        ("gen_ai.operation.name", json!("text_completion")),
+        ("gen_ai.request.model", v["model"].clone()),
+        ("gen_ai.response.model", v["model"].clone()),
+        ("gen_ai.response.id", v["id"].clone()),
+        ("gen_ai.request.max_tokens", json!(4)),
+        ("gen_ai.request.temperature", json!(0)),
+        ("gen_ai.usage.input_tokens", json!(prompt.len())),
+        ("gen_ai.usage.output_tokens", json!(4)),
+    ] {
+        assert_eq!(tag(request, key), Some(&want), "{key}: {request}");
+    }
+    let reasons = tag(request, "gen_ai.response.finish_reasons").and_then(Value::as_str);
+    assert!(
+        reasons.is_some_and(|r| r.contains("length")),
+        "finish reasons: {request}"
+    );
+    assert_tracestate_everywhere(&trace, &["duet-router", "duet-p0", "duet-d0"]);
 
     let prefill = spans_named(&trace, "prefill");
     assert_eq!(prefill.len(), 1, "{}", dump());
@@ -309,4 +370,54 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
     ] {
         assert!(d0.contains(name), "{name} missing from d0's /metrics");
     }
+}
+
+/// The nodes export over OTLP/gRPC when the standard variables say so: the only endpoint
+/// they are given is Jaeger's gRPC receiver (the tiny model: what is checked is the
+/// transport, and that the trace and its tracestate cross the nodes).
+#[tokio::test(flavor = "multi_thread")]
+async fn spans_go_over_otlp_grpc_when_the_environment_asks() {
+    let jaeger = Jaeger::start().await;
+    let c = ClusterDir::tiny(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        "disagg_threshold = 0\n",
+    );
+    let endpoint = format!("http://127.0.0.1:{}", jaeger.otlp_grpc);
+    let _up = Running::start_env(
+        &["up", "--config", path_str(&c.config)],
+        "ready",
+        &[
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            ("OTEL_TRACES_SAMPLER", "always_on"),
+        ],
+    )
+    .await;
+    router_ready(c.http, 2).await;
+    let trace_id = "5cf92f3577b34da6a3ce929d0e0e4737";
+    let body = json!({"prompt": "traces over grpc", "max_tokens": 3, "temperature": 0,
+                      "ignore_eos": true});
+    let v = completion(c.http, &body, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;
+    assert!(v["choices"][0]["text"].is_string(), "{v}");
+    let trace = poll(
+        "the trace in Jaeger, over gRPC",
+        Duration::from_secs(60),
+        || async {
+            let t = jaeger.get(&format!("/api/traces/{trace_id}")).await?;
+            let trace = t["data"].get(0)?.clone();
+            let services: Vec<&str> = trace["spans"]
+                .as_array()?
+                .iter()
+                .map(|s| service_of(&trace, s))
+                .collect();
+            (["duet-router", "duet-p0", "duet-d0"]
+                .iter()
+                .all(|s| services.contains(s))
+                && !spans_named(&trace, "decoding").is_empty())
+            .then_some(trace)
+        },
+    )
+    .await;
+    assert_eq!(spans_named(&trace, "POST /v1/completions").len(), 1);
+    assert_tracestate_everywhere(&trace, &["duet-router", "duet-p0", "duet-d0"]);
 }

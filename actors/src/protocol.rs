@@ -239,8 +239,8 @@ pub struct PrefillStart {
     pub notice: PreallocNotice,
     /// The backend to use.
     pub backend: Backend,
-    /// The router's span (W3C traceparent), for the prefill spans.
-    pub traceparent: Option<String>,
+    /// The router's span (W3C trace context), for the prefill spans.
+    pub trace: duet_runtime::telemetry::TraceHeaders,
 }
 
 /// Stop a transfer. From D to P; `attempt` is `None` when D never sent a notice.

@@ -1,4 +1,5 @@
-//! Choosing the next token: greedy, temperature, top-k, top-p, with a seed; and when to stop.
+//! Choosing the next token: presence and frequency penalties, greedy, temperature, top-k,
+//! top-p, with a seed; and when to stop.
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -22,6 +23,43 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Stop when the text contains any of these (the stop string is not returned).
     pub stop: Vec<String>,
+    /// OpenAI's presence and frequency penalties. Last, and left out of the encoding when
+    /// both are 0, so a message without penalties reads the same to a build before them.
+    #[serde(default, skip_serializing_if = "Penalties::is_off")]
+    pub penalties: Penalties,
+}
+
+/// Penalties on the tokens a sequence has generated (OpenAI's, each -2 to 2).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Penalties {
+    /// Subtracted from the logit of every token generated at least once (`presence_penalty`).
+    pub presence: f32,
+    /// Subtracted from a token's logit once per time it was generated (`frequency_penalty`).
+    pub frequency: f32,
+}
+
+impl Penalties {
+    /// Whether both are 0 (the logits do not depend on what was generated).
+    pub fn is_off(&self) -> bool {
+        self.presence == 0.0 && self.frequency == 0.0
+    }
+}
+
+/// `logits` with OpenAI's penalties applied: for each token `j` generated `c[j]` times,
+/// `logit[j] - c[j] * frequency - (c[j] > 0) * presence`. The prompt does not count, as in
+/// OpenAI's definition.
+pub fn penalize(logits: &[f32], generated: &[u32], p: Penalties) -> Vec<f32> {
+    let mut out = logits.to_vec();
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (t, c) in counts {
+        if let Some(l) = out.get_mut(t as usize) {
+            *l -= c as f32 * p.frequency + p.presence;
+        }
+    }
+    out
 }
 
 impl Default for SamplingParams {
@@ -35,6 +73,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             ignore_eos: false,
             stop: Vec::new(),
+            penalties: Penalties::default(),
         }
     }
 }
@@ -119,9 +158,19 @@ impl Sampler {
         &self.params
     }
 
-    /// Samples from `logits`; `banned` tokens (EOS before `min_tokens`) are never chosen.
-    pub fn sample(&mut self, logits: &[f32], banned: Option<u32>) -> Sampled {
-        let logprob_of = |token: u32| log_softmax_at(logits, token as usize);
+    /// Samples from `logits` after the penalties for the tokens the sequence has `generated`;
+    /// `banned` tokens (EOS before `min_tokens`) are never chosen. The logprob reported is
+    /// under the raw logits, as OpenAI's are.
+    pub fn sample(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> Sampled {
+        let raw = logits;
+        let penalized;
+        let logits = if !self.params.penalties.is_off() {
+            penalized = penalize(raw, generated, self.params.penalties);
+            &penalized[..]
+        } else {
+            raw
+        };
+        let logprob_of = |token: u32| log_softmax_at(raw, token as usize);
         let allowed = |i: usize| banned != Some(i as u32);
         if self.params.temperature <= 0.0 {
             let token = argmax(logits, allowed);
@@ -218,11 +267,11 @@ mod tests {
     #[test]
     fn greedy_takes_the_argmax_and_reports_its_logprob() {
         let mut s = Sampler::new(SamplingParams::default());
-        let out = s.sample(&[0.0, 2.0, 1.0], None);
+        let out = s.sample(&[0.0, 2.0, 1.0], None, &[]);
         assert_eq!(out.token, 1);
         let expect = 2.0 - (1f64 + 2f64.exp() + 1f64.exp()).ln() as f32;
         assert!((out.logprob - expect).abs() < 1e-6);
-        assert_eq!(s.sample(&[0.0, 2.0, 1.0], Some(1)).token, 2);
+        assert_eq!(s.sample(&[0.0, 2.0, 1.0], Some(1), &[]).token, 2);
     }
 
     #[test]
@@ -238,7 +287,7 @@ mod tests {
         let run = || {
             let mut s = Sampler::new(params.clone());
             (0..20)
-                .map(|_| s.sample(&logits, None).token)
+                .map(|_| s.sample(&logits, None, &[]).token)
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(), run());
@@ -261,7 +310,77 @@ mod tests {
             seed: Some(1),
             ..SamplingParams::default()
         });
-        assert!((0..100).all(|_| s.sample(&logits, None).token == 3));
+        assert!((0..100).all(|_| s.sample(&logits, None, &[]).token == 3));
+    }
+
+    #[test]
+    fn penalties_follow_openais_formula_and_only_count_generated_tokens() {
+        let params = SamplingParams {
+            penalties: Penalties {
+                presence: 0.5,
+                frequency: 0.25,
+            },
+            ..SamplingParams::default()
+        };
+        let out = penalize(&[1.0, 1.0, 1.0, 1.0], &[2, 2, 0, 2, 9], params.penalties);
+        // Token 2 three times: 1 - 3 * 0.25 - 0.5; token 0 once: 1 - 0.25 - 0.5; an id outside
+        // the vocabulary is ignored.
+        assert_eq!(out, vec![0.25, 1.0, -0.25, 1.0]);
+        // Greedy moves off a repeated token once its penalty outweighs the margin, and the
+        // logprob stays the raw distribution's.
+        let logits = [0.0, 2.0, 1.5];
+        let mut s = Sampler::new(params.clone());
+        assert_eq!(s.sample(&logits, None, &[]).token, 1);
+        let out = s.sample(&logits, None, &[1]);
+        assert_eq!(out.token, 2);
+        assert!((out.logprob - log_softmax_at(&logits, 2)).abs() < 1e-6);
+        // Negative penalties favour repetition.
+        let mut s = Sampler::new(SamplingParams {
+            penalties: Penalties {
+                presence: -1.0,
+                frequency: 0.0,
+            },
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.sample(&logits, None, &[2]).token, 2);
+    }
+
+    #[test]
+    fn penalty_free_params_encode_as_before_penalties_existed() {
+        #[derive(Serialize)]
+        struct Before {
+            temperature: f32,
+            top_p: f32,
+            top_k: usize,
+            seed: Option<u64>,
+            max_tokens: usize,
+            min_tokens: usize,
+            ignore_eos: bool,
+            stop: Vec<String>,
+        }
+        let p = SamplingParams::default();
+        let before = Before {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            seed: p.seed,
+            max_tokens: p.max_tokens,
+            min_tokens: p.min_tokens,
+            ignore_eos: p.ignore_eos,
+            stop: p.stop.clone(),
+        };
+        let bytes = rmp_serde::to_vec(&p).expect("encode");
+        assert_eq!(bytes, rmp_serde::to_vec(&before).expect("encode"));
+        let with = SamplingParams {
+            penalties: Penalties {
+                presence: 0.0,
+                frequency: 1.0,
+            },
+            ..p
+        };
+        let back: SamplingParams =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&with).expect("encode")).expect("decode");
+        assert_eq!(back, with);
     }
 
     #[test]

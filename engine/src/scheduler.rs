@@ -617,7 +617,8 @@ impl Scheduler {
             let params = seq.sampler.params();
             let eos = tok.eos.filter(|_| !params.ignore_eos);
             let banned = eos.filter(|_| seq.generated < params.min_tokens);
-            let s = seq.sampler.sample(logits, banned);
+            let generated = &seq.tokens[seq.tokens.len() - seq.generated.min(seq.tokens.len())..];
+            let s = seq.sampler.sample(logits, banned, generated);
             if seq.prefill_only {
                 // Prefill's part ends here: the token and the sampler's state go to decode,
                 // which does the text and the stopping.

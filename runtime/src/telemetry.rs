@@ -5,14 +5,19 @@
 //! Fields of the spans a line is in (request, room, attempt) are on the line.
 //!
 //! Traces: off unless an OTLP endpoint is configured. Then every span at info level and above
-//! goes over OTLP/HTTP (protobuf) to that endpoint in batches, from a background thread, under
-//! the service name `duet-NODE` (or `$OTEL_SERVICE_NAME-NODE`). The standard variables win over
-//! `[telemetry]`: `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, used
-//! as is), `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
+//! goes over OTLP to that endpoint in batches, from a background thread, under the service
+//! name `duet-NODE` (or `$OTEL_SERVICE_NAME-NODE`): as protobuf over HTTP (`/v1/traces`, port
+//! 4318 when the URL names none) or over gRPC (port 4317), as `telemetry.otlp_protocol` says.
+//! The standard variables win over `[telemetry]` (see [`export_target`]):
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, used as is),
+//! `OTEL_EXPORTER_OTLP_PROTOCOL` (or `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`),
+//! `OTEL_TRACES_EXPORTER=none`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` and
+//! `OTEL_TRACES_SAMPLER_ARG`.
 //!
-//! The trace context crosses nodes in every envelope's W3C `traceparent`: [`traceparent`]
-//! reads the current span's, [`follow`] makes a span continue a remote one. When tracing is
-//! off both return at once (one atomic load), so the request path pays nothing.
+//! The trace context crosses nodes in every envelope's W3C `traceparent` and `tracestate`:
+//! [`traceparent`] and [`tracestate`] read the current span's, [`follow`] makes a span
+//! continue a remote one (keeping the caller's tracestate, which every child span inherits).
+//! When tracing is off they return at once (one atomic load), so the request path pays nothing.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -27,7 +32,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::TelemetryConfig;
+use crate::config::{OtlpProtocol, TelemetryConfig};
 
 /// Environment variable that sets the log filter (`RUST_LOG` syntax).
 pub const LOG_ENV: &str = "DUET_LOG";
@@ -77,26 +82,105 @@ pub struct TelemetryGuard(Option<SdkTracerProvider>);
 
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
-        if let Some(p) = self.0.take()
-            && let Err(e) = p.shutdown()
-        {
+        let Some(p) = self.0.take() else { return };
+        // The last batch may go over gRPC, whose connection runs on the async runtime: when
+        // dropped on one of its worker threads, let the others run while this one waits.
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let flushed = if multi_thread {
+            tokio::task::block_in_place(|| p.shutdown())
+        } else {
+            p.shutdown()
+        };
+        if let Err(e) = flushed {
             eprintln!("warning: traces not flushed: {e}");
         }
     }
 }
 
-/// Where traces go, after the environment overrides the file.
-fn otlp_traces_url(config: &TelemetryConfig) -> Option<String> {
-    if let Ok(url) = std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        && !url.is_empty()
-    {
-        return Some(url);
+/// Where spans are exported, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportTarget {
+    /// The transport.
+    pub protocol: OtlpProtocol,
+    /// The full URL: `/v1/traces` included for HTTP, the collector's address for gRPC.
+    pub url: String,
+}
+
+/// Where and how spans go, the environment (read through `env`) overriding the file: `None`
+/// when no endpoint is configured or `OTEL_TRACES_EXPORTER=none`. An endpoint without a port
+/// gets the protocol's usual one (4318 for HTTP, 4317 for gRPC); the per-signal variables
+/// (`OTEL_EXPORTER_OTLP_TRACES_*`) win over the general ones, and a traces endpoint is used as
+/// is. Empty variables count as unset, as the specification says.
+pub fn export_target(
+    config: &TelemetryConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<ExportTarget>, String> {
+    let var = |name: &str| env(name).filter(|v| !v.trim().is_empty());
+    match var("OTEL_TRACES_EXPORTER").as_deref().map(str::trim) {
+        None | Some("otlp") => {}
+        Some("none") => return Ok(None),
+        Some(other) => {
+            return Err(format!(
+                "OTEL_TRACES_EXPORTER=`{other}`: Duet exports traces over OTLP only (otlp or none)"
+            ));
+        }
     }
-    let base = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .ok()
-        .filter(|u| !u.is_empty())
-        .or_else(|| config.otlp_endpoint.clone())?;
-    Some(format!("{}/v1/traces", base.trim_end_matches('/')))
+    let protocol = match [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ]
+    .into_iter()
+    .find_map(|name| var(name).map(|v| (name, v)))
+    {
+        Some((name, v)) => OtlpProtocol::parse(v.trim()).ok_or_else(|| {
+            let names: Vec<&str> = OtlpProtocol::ALL.iter().map(|p| p.name()).collect();
+            format!("{name}=`{v}`: expected one of {}", names.join(", "))
+        })?,
+        None => config.otlp_protocol,
+    };
+    let (name, url) = if let Some(url) = var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+        (
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            with_port(url.trim(), protocol),
+        )
+    } else {
+        let Some((name, base)) = var("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .map(|v| ("OTEL_EXPORTER_OTLP_ENDPOINT", v))
+            .or_else(|| {
+                let e = config.otlp_endpoint.clone()?;
+                Some(("telemetry.otlp_endpoint", e))
+            })
+        else {
+            return Ok(None);
+        };
+        let base = with_port(base.trim().trim_end_matches('/'), protocol);
+        let url = match protocol {
+            OtlpProtocol::HttpProtobuf => format!("{base}/v1/traces"),
+            OtlpProtocol::Grpc => base,
+        };
+        (name, url)
+    };
+    if !url.starts_with("http://") && !url.starts_with("https://") {
+        return Err(format!(
+            "{name}: `{url}` is not an OTLP collector URL: expected http://HOST[:PORT]"
+        ));
+    }
+    Ok(Some(ExportTarget { protocol, url }))
+}
+
+/// `url` with `protocol`'s usual port when its authority names none.
+fn with_port(url: &str, protocol: OtlpProtocol) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    // The port follows the last colon, after an IPv6 literal's closing bracket if any.
+    let host_end = authority.rfind(']').map_or(0, |i| i + 1);
+    if authority.is_empty() || authority[host_end..].contains(':') {
+        return url.to_string();
+    }
+    format!("{scheme}://{authority}:{}{path}", protocol.default_port())
 }
 
 /// The sampler the environment or the file asks for.
@@ -145,7 +229,7 @@ pub fn init_node(
     } else {
         fmt.with_filter(filter).boxed()
     };
-    let Some(url) = otlp_traces_url(config) else {
+    let Some(target) = export_target(config, |name| std::env::var(name).ok())? else {
         let _ = tracing_subscriber::registry().with(fmt).try_init();
         return Ok(TelemetryGuard(None));
     };
@@ -153,11 +237,25 @@ pub fn init_node(
         "{}-{node}",
         std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "duet".to_string())
     );
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_endpoint(url.clone())
-        .build()
-        .map_err(|e| format!("OTLP exporter for {url}: {e}"))?;
+    let url = target.url.clone();
+    let exporter = match target.protocol {
+        OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_endpoint(url.clone())
+            .build(),
+        OtlpProtocol::Grpc => {
+            // The gRPC client's connection lives on the async runtime; the batch thread hands
+            // it each batch.
+            if tokio::runtime::Handle::try_current().is_err() {
+                return Err("OTLP over gRPC needs the async runtime; start the node in it".into());
+            }
+            opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(url.clone())
+                .build()
+        }
+    }
+    .map_err(|e| format!("OTLP exporter for {url}: {e}"))?;
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_sampler(sampler(config)?)
@@ -184,7 +282,7 @@ pub fn init_node(
         .with(otel)
         .try_init();
     TRACING.store(true, Ordering::Relaxed);
-    tracing::info!(%url, "exporting traces over OTLP");
+    tracing::info!(%url, protocol = target.protocol.name(), "exporting traces over OTLP");
     Ok(TelemetryGuard(Some(provider)))
 }
 
@@ -194,6 +292,15 @@ pub fn traceparent() -> Option<String> {
         return None;
     }
     span_traceparent(&tracing::Span::current())
+}
+
+/// The current span's W3C `tracestate` (the vendors' entries a client sent, which the
+/// request's spans keep), if tracing is on and it has one.
+pub fn tracestate() -> Option<String> {
+    if !enabled() {
+        return None;
+    }
+    span_tracestate(&tracing::Span::current())
 }
 
 /// A span's W3C trace context.
@@ -212,6 +319,29 @@ pub fn span_traceparent(span: &tracing::Span) -> Option<String> {
             sc.trace_flags().to_u8()
         )
     })
+}
+
+/// A span's W3C `tracestate`; `None` when it is empty.
+pub fn span_tracestate(span: &tracing::Span) -> Option<String> {
+    if !enabled() {
+        return None;
+    }
+    let cx = span.context();
+    let header = cx.span().span_context().trace_state().header();
+    (!header.is_empty()).then_some(header)
+}
+
+/// Sets a list-of-strings attribute on `span`'s exported span (such as
+/// `gen_ai.response.finish_reasons`, an array in the conventions; `tracing` fields are scalars).
+pub fn record_list(span: &tracing::Span, key: &'static str, values: &[&str]) {
+    if !enabled() {
+        return;
+    }
+    let values = values.iter().map(|v| v.to_string().into()).collect();
+    span.set_attribute(
+        key,
+        opentelemetry::Value::Array(opentelemetry::Array::String(values)),
+    );
 }
 
 /// Parses a W3C `traceparent` (`00-TRACE-SPAN-FLAGS`).
@@ -235,15 +365,78 @@ pub fn parse_traceparent(tp: &str) -> Option<SpanContext> {
     sc.is_valid().then_some(sc)
 }
 
-/// Makes `span` a child of the remote span `traceparent` names (a no-op when tracing is off
-/// or the header is absent or malformed).
-pub fn follow(span: &tracing::Span, traceparent: Option<&str>) {
+/// The most of a `tracestate` a request carries on: the W3C recommendation's 512 characters,
+/// whole entries only (the rightmost, least recently updated, go first).
+pub const TRACESTATE_MAX: usize = 512;
+
+/// Parses a W3C `tracestate` (`vendor=value,...`), keeping at most [`TRACESTATE_MAX`]
+/// characters of whole entries. A malformed header is dropped whole, as the standard says
+/// (the traceparent still counts); so is an empty one.
+pub fn parse_tracestate(ts: &str) -> Option<TraceState> {
+    let entries: Vec<(&str, &str)> = ts
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|e| e.split_once('='))
+        .collect::<Option<_>>()?;
+    let mut kept = Vec::new();
+    let mut len = 0;
+    for (k, v) in entries {
+        let add = k.len() + 1 + v.len() + usize::from(!kept.is_empty());
+        if len + add > TRACESTATE_MAX {
+            break;
+        }
+        len += add;
+        kept.push((k, v));
+    }
+    if kept.is_empty() {
+        return None;
+    }
+    TraceState::from_key_value(kept).ok()
+}
+
+/// A remote span's W3C context as it travels between processes: the `traceparent` and
+/// `tracestate` headers (in an HTTP request, an envelope, a message to a local worker).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TraceHeaders {
+    /// `00-TRACE-SPAN-FLAGS`.
+    pub traceparent: Option<String>,
+    /// `vendor=value,...`.
+    pub tracestate: Option<String>,
+}
+
+impl TraceHeaders {
+    /// The context an envelope carries.
+    pub fn of(envelope: &crate::wire::Envelope) -> TraceHeaders {
+        TraceHeaders {
+            traceparent: envelope.traceparent.clone(),
+            tracestate: envelope.tracestate.clone(),
+        }
+    }
+
+    /// The current span's context (nothing when tracing is off).
+    pub fn current() -> TraceHeaders {
+        TraceHeaders {
+            traceparent: traceparent(),
+            tracestate: tracestate(),
+        }
+    }
+}
+
+/// Makes `span` a child of the remote span `remote.traceparent` names, carrying on its
+/// tracestate, which every child span inherits (a no-op when tracing is off or the
+/// traceparent is absent or malformed; a malformed tracestate alone is dropped).
+pub fn follow(span: &tracing::Span, remote: &TraceHeaders) {
     if !enabled() {
         return;
     }
-    if let Some(sc) = traceparent.and_then(parse_traceparent) {
-        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(sc));
+    let Some(mut sc) = remote.traceparent.as_deref().and_then(parse_traceparent) else {
+        return;
+    };
+    if let Some(state) = remote.tracestate.as_deref().and_then(parse_tracestate) {
+        sc = SpanContext::new(sc.trace_id(), sc.span_id(), sc.trace_flags(), true, state);
     }
+    let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(sc));
 }
 
 #[cfg(test)]
@@ -272,6 +465,92 @@ mod tests {
     }
 
     #[test]
+    fn tracestates_keep_whole_entries_up_to_the_limit_or_are_dropped() {
+        let ts = parse_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7").unwrap();
+        assert_eq!(ts.header(), "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7");
+        assert_eq!(ts.get("rojo"), Some("00f067aa0ba902b7"));
+        for bad in ["", " , ", "novalue", "UPPER=1", "a=1,b"] {
+            assert!(parse_tracestate(bad).is_none(), "{bad}");
+        }
+        // 40 entries of 19 characters: only whole entries within 512 characters stay.
+        let long: Vec<String> = (0..40)
+            .map(|i| format!("vendor{i:02}=0123456789ab"))
+            .collect();
+        let ts = parse_tracestate(&long.join(",")).unwrap();
+        let header = ts.header();
+        assert!(header.len() <= TRACESTATE_MAX, "{}", header.len());
+        assert!(header.starts_with("vendor00=") && header.ends_with("=0123456789ab"));
+        assert_eq!(header.split(',').count(), (TRACESTATE_MAX + 1) / 22);
+    }
+
+    #[test]
+    fn exports_go_where_the_environment_then_the_file_says() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let mut file = TelemetryConfig::default();
+        assert_eq!(export_target(&file, vars(&[])), Ok(None));
+        file.otlp_endpoint = Some("http://jaeger".into());
+        let t = export_target(&file, vars(&[])).unwrap().unwrap();
+        assert_eq!(t.protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(t.url, "http://jaeger:4318/v1/traces");
+        file.otlp_protocol = OtlpProtocol::Grpc;
+        let t = export_target(&file, vars(&[])).unwrap().unwrap();
+        assert_eq!(
+            (t.protocol, t.url.as_str()),
+            (OtlpProtocol::Grpc, "http://jaeger:4317")
+        );
+        // The standard variables win; the per-signal ones over the general ones.
+        let t = export_target(
+            &file,
+            vars(&[
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1]:9999/"),
+            ]),
+        );
+        assert_eq!(
+            t.unwrap().unwrap().url,
+            "http://[::1]:9999/v1/traces",
+            "a port is kept, the path added"
+        );
+        let t = export_target(
+            &file,
+            vars(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://ignored:1"),
+                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://[::1]"),
+            ]),
+        );
+        assert_eq!(t.unwrap().unwrap().url, "http://[::1]:4317");
+        let off = export_target(&file, vars(&[("OTEL_TRACES_EXPORTER", "none")]));
+        assert_eq!(off, Ok(None));
+        let empty = export_target(&file, vars(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "")]));
+        assert_eq!(empty.unwrap().unwrap().protocol, OtlpProtocol::Grpc);
+        for (k, v, says) in [
+            (
+                "OTEL_EXPORTER_OTLP_PROTOCOL",
+                "http/json",
+                "expected one of http/protobuf, grpc",
+            ),
+            ("OTEL_TRACES_EXPORTER", "zipkin", "OTLP only"),
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "jaeger:4317",
+                "not an OTLP collector URL",
+            ),
+        ] {
+            let pairs: &'static [(&str, &str)] = Box::leak(Box::new([(k, v)]));
+            let e = export_target(&file, vars(pairs)).unwrap_err();
+            assert!(e.contains(k) && e.contains(says), "{e}");
+        }
+    }
+
+    #[test]
     fn samplers_follow_the_names_of_the_standard() {
         let mut c = TelemetryConfig::default();
         assert!(matches!(sampler(&c), Ok(Sampler::ParentBased(_))));
@@ -286,5 +565,6 @@ mod tests {
     fn tracing_off_costs_one_load() {
         assert!(!enabled());
         assert_eq!(traceparent(), None);
+        assert_eq!(tracestate(), None);
     }
 }

@@ -25,19 +25,47 @@ pub fn free_loopback_ports(n: usize) -> Vec<u16> {
     held.iter().map(|(_, _, p)| *p).collect()
 }
 
+/// The loopback ports of a test's Jaeger.
+#[derive(Debug, Clone, Copy)]
+pub struct JaegerPorts {
+    /// The query API over HTTP (`/api/traces/ID`).
+    pub query: u16,
+    /// The query API over gRPC.
+    pub query_grpc: u16,
+    /// The OTLP receiver over HTTP (protobuf).
+    pub otlp_http: u16,
+    /// The OTLP receiver over gRPC.
+    pub otlp_grpc: u16,
+}
+
+impl JaegerPorts {
+    /// Four free loopback ports.
+    pub fn free() -> JaegerPorts {
+        let p = free_loopback_ports(4);
+        JaegerPorts {
+            query: p[0],
+            query_grpc: p[1],
+            otlp_http: p[2],
+            otlp_grpc: p[3],
+        }
+    }
+}
+
 /// The configuration of an all-in-one Jaeger (v2) for tests and examples: traces in memory,
-/// OTLP over HTTP in on `otlp`, the query API on `query` (HTTP) and `grpc`, all on loopback.
-pub fn jaeger_config(query: u16, grpc: u16, otlp: u16) -> String {
+/// OTLP in over HTTP and over gRPC, the query API over HTTP and gRPC, all on loopback.
+pub fn jaeger_config(p: JaegerPorts) -> String {
     format!(
         "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
          receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
          telemetry:\n    metrics:\n      level: none\n\
          extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
-         endpoint: 127.0.0.1:{query}\n    grpc:\n      endpoint: 127.0.0.1:{grpc}\n  \
+         endpoint: 127.0.0.1:{}\n    grpc:\n      endpoint: 127.0.0.1:{}\n  \
          jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 10000\n\
-         receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{otlp}\n\
+         receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{}\n      \
+         grpc:\n        endpoint: 127.0.0.1:{}\n\
          processors:\n  batch:\n    timeout: 100ms\n\
-         exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n"
+         exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n",
+        p.query, p.query_grpc, p.otlp_http, p.otlp_grpc
     )
 }
 

@@ -10,7 +10,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// The newest envelope format this build speaks (what it writes to a peer that speaks it too).
-pub const WIRE_VERSION: u16 = 1;
+/// Version 2 added [`Envelope::tracestate`].
+pub const WIRE_VERSION: u16 = 2;
+/// The first version whose envelopes carry [`Envelope::tracestate`]; older peers cannot read
+/// it, so frames of older versions are written without it.
+pub const TRACESTATE_SINCE: u16 = 2;
 /// The oldest envelope format this build still reads and writes. Two builds link when their
 /// ranges overlap and then use the newest version both speak (see [`Versions::negotiate`]), so
 /// a rolling upgrade runs old and new nodes side by side; a peer outside the range is refused.
@@ -113,6 +117,11 @@ pub struct Envelope {
     /// The message itself, rmp-serde encoded by the sender.
     #[serde(with = "serde_bytes")]
     pub body: Vec<u8>,
+    /// W3C `tracestate` (vendors' entries that travel with the trace), from version
+    /// [`TRACESTATE_SINCE`]. Last and left out when empty, so a version-1 envelope has the
+    /// version-1 layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
 }
 
 /// How an envelope relates to others.
@@ -154,6 +163,7 @@ impl Envelope {
             request_id: 0,
             traceparent: None,
             body,
+            tracestate: None,
         }
     }
 
@@ -213,6 +223,14 @@ impl WireError {
 
 /// Encodes `env` as one frame (length prefix included).
 pub fn encode_frame(env: &Envelope) -> Vec<u8> {
+    if env.version < TRACESTATE_SINCE && env.tracestate.is_some() {
+        // A peer of an older version refuses an envelope with a field it does not know.
+        let older = Envelope {
+            tracestate: None,
+            ..env.clone()
+        };
+        return encode_frame(&older);
+    }
     let mut out = vec![0u8; FRAME_HEADER_LEN];
     // Serializing an owned struct of plain fields into a Vec cannot fail.
     if let Err(e) = rmp_serde::encode::write(&mut out, env) {
@@ -333,7 +351,40 @@ mod tests {
             request_id: 42,
             traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
             body,
+            tracestate: Some("congo=t61rcWkgMzE".into()),
         }
+    }
+
+    /// The envelope of builds that speak version 1 alone, as they decode it.
+    #[derive(Debug, Deserialize)]
+    #[allow(dead_code)]
+    struct EnvelopeV1 {
+        version: u16,
+        kind: String,
+        flow: Flow,
+        sender: String,
+        target: String,
+        request_id: u64,
+        traceparent: Option<String>,
+        #[serde(with = "serde_bytes")]
+        body: Vec<u8>,
+    }
+
+    #[test]
+    fn a_version_1_frame_is_what_version_1_builds_read() {
+        let mut env = sample(vec![7]);
+        // Version 2 carries the tracestate; a version-1 build could not read that frame.
+        let frame = encode_frame(&env);
+        assert_eq!(decode_payload(&frame[FRAME_HEADER_LEN..]), Ok(env.clone()));
+        assert!(rmp_serde::from_slice::<EnvelopeV1>(&frame[FRAME_HEADER_LEN..]).is_err());
+        // On a version-1 link the same envelope goes without it, in the old layout.
+        env.version = 1;
+        let frame = encode_frame(&env);
+        let old: EnvelopeV1 = rmp_serde::from_slice(&frame[FRAME_HEADER_LEN..]).expect("v1");
+        assert_eq!((old.request_id, old.body), (42, vec![7]));
+        let new = decode_payload(&frame[FRAME_HEADER_LEN..]).expect("read back");
+        assert_eq!(new.tracestate, None);
+        assert_eq!(new.traceparent, env.traceparent);
     }
 
     #[test]

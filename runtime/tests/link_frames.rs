@@ -254,6 +254,7 @@ async fn bad_frames_are_counted_and_close_the_link() {
         request_id: 0,
         traceparent: None,
         body: vec![],
+        tracestate: None,
     };
     send.write_all(&wire::encode_frame(&env))
         .await

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use duet_runtime::context::NodeContext;
 use duet_runtime::metrics as m;
 use duet_runtime::services::Inbound;
+use duet_runtime::telemetry::TraceHeaders;
 use duet_runtime::wire::{self, Envelope};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
@@ -36,7 +37,7 @@ pub struct Bootstrap;
 /// A request waiting for its notice.
 struct Waiting {
     request: PrefillRequest,
-    traceparent: Option<String>,
+    trace: TraceHeaders,
     span: tracing::Span,
 }
 
@@ -167,10 +168,11 @@ impl BootstrapState {
                     decode = %request.decode,
                     attempt = tracing::field::Empty
                 );
-                duet_runtime::telemetry::follow(&span, envelope.traceparent.as_deref());
+                let trace = TraceHeaders::of(&envelope);
+                duet_runtime::telemetry::follow(&span, &trace);
                 let waiting = Waiting {
                     request,
-                    traceparent: envelope.traceparent.clone(),
+                    trace,
                     span,
                 };
                 let now = self.now_ms();
@@ -257,7 +259,7 @@ impl BootstrapState {
     async fn start(&mut self, waiting: Waiting, waited_ms: u64, notice: PreallocNotice) {
         let Waiting {
             request,
-            traceparent,
+            trace,
             span,
         } = waiting;
         metrics::histogram!(m::BOOTSTRAP_WAIT).record(waited_ms as f64 / 1e3);
@@ -271,7 +273,7 @@ impl BootstrapState {
             request,
             notice,
             backend,
-            traceparent,
+            trace,
         };
         let sender = format!("{}/{BOOTSTRAP_SERVICE}", self.ctx.me.name);
         let envelope = Envelope::one_way(

@@ -176,7 +176,7 @@ impl DecodeCore {
             Cmd::Submit {
                 router,
                 generate,
-                traceparent,
+                trace,
             } => {
                 self.next_seq += 1;
                 let seq = self.next_seq;
@@ -190,7 +190,7 @@ impl DecodeCore {
                     attempt = tracing::field::Empty,
                     prompt_tokens = generate.prompt.len(),
                 );
-                duet_runtime::telemetry::follow(&root, traceparent.as_deref());
+                duet_runtime::telemetry::follow(&root, &trace);
                 let phase = if generate.prefill.is_some() {
                     tracing::info_span!(parent: &root, "prealloc", request = generate.request)
                 } else {

@@ -94,7 +94,7 @@ enum Cmd {
         router: String,
         generate: Generate,
         /// The router's span, for this request's spans here.
-        traceparent: Option<String>,
+        trace: duet_runtime::telemetry::TraceHeaders,
     },
     Cancel {
         router: String,
@@ -370,7 +370,7 @@ impl DecodeState {
         let Inbound { envelope, reply } = inbound;
         let from = envelope.sender_node().to_string();
         let body = &envelope.body;
-        let traceparent = envelope.traceparent.clone();
+        let trace = duet_runtime::telemetry::TraceHeaders::of(&envelope);
         let cmd = match (envelope.kind.as_str(), reply) {
             (kinds::GENERATE, Some(reply)) => match wire::decode_body::<Generate>(body) {
                 Ok(generate) => {
@@ -382,7 +382,7 @@ impl DecodeState {
                         .send(Cmd::Submit {
                             router: from,
                             generate,
-                            traceparent,
+                            trace,
                         })
                         .is_err()
                     {

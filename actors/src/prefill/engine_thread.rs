@@ -200,7 +200,7 @@ impl PrefillCore {
                     decode_prefix_len = start.notice.decode_prefix_len,
                     backend = start.backend.name(),
                 );
-                duet_runtime::telemetry::follow(&span, start.traceparent.as_deref());
+                duet_runtime::telemetry::follow(&span, &start.trace);
                 let queue_wait = Some(tracing::info_span!(parent: &span, "queue_wait"));
                 self.flights.insert(
                     seq,

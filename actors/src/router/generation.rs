@@ -281,12 +281,17 @@ impl Generation {
                     .record(prompt as f64);
                 metrics::histogram!(m::REQUEST_GENERATION_TOKENS, "model_name" => model)
                     .record(self.generated.len() as f64);
-                self.span.record("completion_tokens", self.generated.len());
+                self.span
+                    .record("gen_ai.usage.output_tokens", self.generated.len() as i64);
                 let reason = format!("{reason:?}").to_lowercase();
                 if let Some(a) = &self.access {
                     a.finished(&reason);
                 }
-                self.span.record("finish_reason", reason);
+                duet_runtime::telemetry::record_list(
+                    &self.span,
+                    "gen_ai.response.finish_reasons",
+                    &[&reason],
+                );
             }
             return Some(Ok(item));
         }

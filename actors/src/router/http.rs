@@ -10,6 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use duet_engine::chat::Message;
+use duet_engine::sampling::Penalties;
 use duet_engine::{FinishReason, SamplingParams};
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -29,6 +30,7 @@ pub fn app(shared: Arc<RouterShared>) -> axum::Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -112,14 +114,30 @@ async fn body_json<T: serde::de::DeserializeOwned>(req: Request) -> Result<T, Ap
     })
 }
 
-async fn models(State(s): State<Arc<RouterShared>>) -> Json<Value> {
+/// The served model as OpenAI's Model object.
+fn model_object(s: &RouterShared) -> Value {
     // `created`: when the model file was written (what the served model is), else when this
     // router started; `max_model_len` as vLLM gives it, what a sequence can hold here.
     let (max_len, _) = s.sequence_limit();
-    Json(json!({"object": "list", "data": [{
+    json!({
         "id": s.settings.model_name, "object": "model", "created": s.created,
         "owned_by": "duet", "max_model_len": max_len,
-    }]}))
+    })
+}
+
+async fn models(State(s): State<Arc<RouterShared>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+/// `GET /v1/models/{model}`: the served model, or 404 `model_not_found`.
+async fn model(
+    State(s): State<Arc<RouterShared>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match check_model(&s, Some(&name)) {
+        Ok(()) => Json(model_object(&s)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn ready(State(s): State<Arc<RouterShared>>) -> Response {
@@ -153,36 +171,75 @@ pub(super) enum Api {
     Completion,
 }
 
-/// The root span of a request's trace (continuing the client's, if it sent a `traceparent`).
-fn request_span(route: &str, req: &Request) -> tracing::Span {
+/// The root span of a request's trace (continuing the client's, if it sent a `traceparent`,
+/// and keeping its `tracestate`). Attributes follow the OpenTelemetry conventions for HTTP
+/// servers and for generative AI (`gen_ai.*`) where one fits; `request`, `path`, `prefill`
+/// and `decode` are Duet's own (the router's request id, the path taken, the workers chosen).
+fn request_span(api: Api, route: &str, req: &Request) -> tracing::Span {
     let span = tracing::info_span!(
         "request",
         otel.name = %format!("POST {route}"),
         otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = "POST",
+        http.route = route,
+        http.response.status_code = tracing::field::Empty,
+        gen_ai.operation.name = match api {
+            Api::Chat => "chat",
+            Api::Completion => "text_completion",
+        },
+        gen_ai.request.model = tracing::field::Empty,
+        gen_ai.request.max_tokens = tracing::field::Empty,
+        gen_ai.request.temperature = tracing::field::Empty,
+        gen_ai.request.top_p = tracing::field::Empty,
+        gen_ai.request.top_k = tracing::field::Empty,
+        gen_ai.request.seed = tracing::field::Empty,
+        gen_ai.response.id = tracing::field::Empty,
+        gen_ai.response.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
         request = tracing::field::Empty,
-        prompt_tokens = tracing::field::Empty,
         path = tracing::field::Empty,
         prefill = tracing::field::Empty,
         decode = tracing::field::Empty,
-        completion_tokens = tracing::field::Empty,
-        finish_reason = tracing::field::Empty,
     );
-    let tp = req
-        .headers()
-        .get("traceparent")
-        .and_then(|v| v.to_str().ok());
-    duet_runtime::telemetry::follow(&span, tp);
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let remote = duet_runtime::telemetry::TraceHeaders {
+        traceparent: header("traceparent"),
+        tracestate: header("tracestate"),
+    };
+    duet_runtime::telemetry::follow(&span, &remote);
     span
 }
 
+/// Runs a request under its span and notes the answer's status on it. (Numbers go on spans
+/// as i64: the OpenTelemetry layer exports unsigned ones as strings.)
+async fn traced(
+    span: tracing::Span,
+    answer: impl std::future::Future<Output = Response>,
+) -> Response {
+    let response = answer.instrument(span.clone()).await;
+    let status = response.status();
+    span.record("http.response.status_code", i64::from(status.as_u16()));
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
+    response
+}
+
 async fn chat(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
-    let span = request_span("/v1/chat/completions", &req);
-    chat_inner(s, req).instrument(span).await
+    let span = request_span(Api::Chat, "/v1/chat/completions", &req);
+    traced(span, chat_inner(s, req)).await
 }
 
 async fn completions(State(s): State<Arc<RouterShared>>, req: Request) -> Response {
-    let span = request_span("/v1/completions", &req);
-    completions_inner(s, req).instrument(span).await
+    let span = request_span(Api::Completion, "/v1/completions", &req);
+    traced(span, completions_inner(s, req)).await
 }
 
 async fn chat_inner(s: Arc<RouterShared>, req: Request) -> Response {
@@ -359,6 +416,18 @@ fn params(
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
     }
+    let penalty = |v: Option<f64>, field: &str| match v {
+        None => Ok(0.0),
+        Some(p) if (-2.0..=2.0).contains(&p) => Ok(p as f32),
+        Some(_) => Err(ApiError::invalid(
+            format!("{field} must be between -2 and 2"),
+            field,
+        )),
+    };
+    let penalties = Penalties {
+        presence: penalty(c.presence_penalty, "presence_penalty")?,
+        frequency: penalty(c.frequency_penalty, "frequency_penalty")?,
+    };
     let (limit, what) = s.sequence_limit();
     let room = limit.saturating_sub(prompt_len);
     if room == 0 {
@@ -391,6 +460,7 @@ fn params(
         min_tokens,
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop: c.stops()?,
+        penalties,
     })
 }
 
@@ -450,6 +520,18 @@ async fn serve_inner(
     };
     let prompt_tokens = prompt.len();
     let model = s.settings.model_name.clone();
+    let span = tracing::Span::current();
+    span.record("gen_ai.request.model", model.as_str());
+    span.record("gen_ai.response.model", model.as_str());
+    span.record("gen_ai.request.max_tokens", params.max_tokens as i64);
+    span.record("gen_ai.request.temperature", f64::from(params.temperature));
+    span.record("gen_ai.request.top_p", f64::from(params.top_p));
+    if params.top_k > 0 {
+        span.record("gen_ai.request.top_k", params.top_k as i64);
+    }
+    if let Some(seed) = params.seed {
+        span.record("gen_ai.request.seed", seed as i64);
+    }
     let logprobs = c.wants_logprobs();
     let mut generation =
         match Generation::start(s.clone(), prompt, params, c.duet_pair.clone(), access).await {
@@ -460,6 +542,7 @@ async fn serve_inner(
         Api::Chat => format!("chatcmpl-{:016x}", rand::random::<u64>()),
         Api::Completion => format!("cmpl-{:016x}", rand::random::<u64>()),
     };
+    span.record("gen_ai.response.id", id.as_str());
     let created = now();
     if c.stream.unwrap_or(false) {
         return stream_response(

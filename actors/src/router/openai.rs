@@ -147,24 +147,12 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 ];
 
 impl Common {
-    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]); penalties other than 0
-    /// and top log-probabilities are refused the same way.
+    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]); top log-probabilities
+    /// are refused the same way.
     pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         for (field, why) in UNSUPPORTED {
             if self.other.get(*field).is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::invalid(*why, field).code("unsupported_parameter"));
-            }
-        }
-        for (field, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(
-                    format!("{field} other than 0 is not supported by this server"),
-                    field,
-                )
-                .code("unsupported_parameter"));
             }
         }
         if self.top_logprobs.is_some_and(|n| n > 0) {

@@ -337,7 +337,7 @@ impl RouterShared {
         let request = self.next_id.fetch_add(1, Ordering::Relaxed);
         let span = tracing::Span::current();
         span.record("request", request);
-        span.record("prompt_tokens", prompt.len());
+        span.record("gen_ai.usage.input_tokens", prompt.len() as i64);
         span.record("decode", worker.as_str());
         span.record(
             "path",

@@ -70,8 +70,10 @@ pub struct ClusterConfig {
 /// `[telemetry]`: where traces go and how logs look.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TelemetryConfig {
-    /// OTLP/HTTP base URL (such as `http://127.0.0.1:4318`); tracing is off without one.
+    /// OTLP collector URL (such as `http://127.0.0.1:4318`); tracing is off without one.
     pub otlp_endpoint: Option<String>,
+    /// How spans travel to it.
+    pub otlp_protocol: OtlpProtocol,
     /// Sampler name, as `OTEL_TRACES_SAMPLER` spells it.
     pub sampler: String,
     /// Sampler argument (the ratio of the ratio samplers).
@@ -84,9 +86,45 @@ impl Default for TelemetryConfig {
     fn default() -> Self {
         TelemetryConfig {
             otlp_endpoint: None,
+            otlp_protocol: OtlpProtocol::HttpProtobuf,
             sampler: "parentbased_always_on".to_string(),
             sampler_arg: 1.0,
             json_logs: false,
+        }
+    }
+}
+
+/// The OTLP transports Duet exports spans over, as `OTEL_EXPORTER_OTLP_PROTOCOL` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// `http/protobuf`: protobuf bodies POSTed to `/v1/traces` (usual port 4318).
+    HttpProtobuf,
+    /// `grpc`: the OTLP trace service over HTTP/2 (usual port 4317).
+    Grpc,
+}
+
+impl OtlpProtocol {
+    /// Every protocol, in the order errors list them.
+    pub const ALL: [OtlpProtocol; 2] = [OtlpProtocol::HttpProtobuf, OtlpProtocol::Grpc];
+
+    /// The protocol `name` names (`grpc`, `http/protobuf`).
+    pub fn parse(name: &str) -> Option<OtlpProtocol> {
+        OtlpProtocol::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Its name in `OTEL_EXPORTER_OTLP_PROTOCOL`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+            OtlpProtocol::Grpc => "grpc",
+        }
+    }
+
+    /// The port collectors listen on for it, used when an endpoint names none.
+    pub fn default_port(self) -> u16 {
+        match self {
+            OtlpProtocol::HttpProtobuf => 4318,
+            OtlpProtocol::Grpc => 4317,
         }
     }
 }

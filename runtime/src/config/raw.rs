@@ -11,7 +11,7 @@ use toml::Spanned;
 
 use super::{
     ACTOR_KINDS, ClusterConfig, ConfigError, CredentialsConfig, LinkConfig, MAX_RESTARTS_LIMIT,
-    MAX_WITHIN_SECS, MembershipConfig, NodeConfig, RestartPolicy, Role, SAMPLERS,
+    MAX_WITHIN_SECS, MembershipConfig, NodeConfig, OtlpProtocol, RestartPolicy, Role, SAMPLERS,
     SupervisionConfig, TelemetryConfig,
 };
 
@@ -74,6 +74,7 @@ struct RawMembership {
 #[serde(deny_unknown_fields)]
 struct RawTelemetry {
     otlp_endpoint: Option<Spanned<String>>,
+    otlp_protocol: Option<Spanned<String>>,
     sampler: Option<Spanned<String>>,
     sampler_arg: Option<Spanned<f64>>,
     log_format: Option<Spanned<String>>,
@@ -404,10 +405,24 @@ pub(super) fn validate(
             return Err(r.error(
                 e.span(),
                 "telemetry.otlp_endpoint",
-                format!("`{url}` is not an OTLP/HTTP URL: expected http://HOST:PORT, such as \"http://127.0.0.1:4318\""),
+                format!("`{url}` is not an OTLP collector URL: expected http://HOST[:PORT], such as \"http://127.0.0.1:4318\""),
             ));
         }
         telemetry.otlp_endpoint = Some(url.to_string());
+    }
+    if let Some(p) = &t.otlp_protocol {
+        telemetry.otlp_protocol = OtlpProtocol::parse(p.get_ref()).ok_or_else(|| {
+            let names: Vec<&str> = OtlpProtocol::ALL.iter().map(|p| p.name()).collect();
+            r.error(
+                p.span(),
+                "telemetry.otlp_protocol",
+                format!(
+                    "unknown OTLP protocol `{}`: expected one of {}",
+                    p.get_ref(),
+                    names.join(", ")
+                ),
+            )
+        })?;
     }
     if let Some(s) = &t.sampler {
         if !SAMPLERS.contains(&s.get_ref().as_str()) {

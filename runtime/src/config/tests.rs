@@ -32,6 +32,18 @@ fn defaults_fill_everything_not_written() {
 }
 
 #[test]
+fn telemetry_exports_over_http_unless_grpc_is_asked_for() {
+    let c = parse(NODES).expect("valid");
+    assert_eq!(c.telemetry.otlp_protocol, OtlpProtocol::HttpProtobuf);
+    let text = format!(
+        "[telemetry]\notlp_endpoint = \"http://jaeger\"\notlp_protocol = \"grpc\"\n{NODES}"
+    );
+    let c = parse(&text).expect("valid");
+    assert_eq!(c.telemetry.otlp_protocol, OtlpProtocol::Grpc);
+    assert_eq!(c.telemetry.otlp_endpoint.as_deref(), Some("http://jaeger"));
+}
+
+#[test]
 fn per_kind_policy_overrides_default() {
     let text = format!(
         "[supervision.default]\nmax_restarts = 1\n[supervision.echo]\nmax_restarts = 7\nwithin_secs = 60\n{NODES}"
@@ -312,6 +324,13 @@ fn invalid_files_name_line_key_and_expectation() {
             2,
             "link.request_timeout_ms",
             "invalid value: integer `-1`",
+        ),
+        (
+            "OTLP protocol Duet does not export",
+            format!("[telemetry]\notlp_protocol = \"http/json\"\n{ok_a}"),
+            2,
+            "telemetry.otlp_protocol",
+            "expected one of http/protobuf, grpc",
         ),
     ];
     assert!(cases.len() >= 15);

@@ -239,6 +239,7 @@ fn reply_to(from: &str, kind: &str, request_id: u64, body: Vec<u8>, ctx: &NodeCo
         target: String::new(),
         request_id,
         traceparent: None,
+        tracestate: None,
         body,
     }
 }

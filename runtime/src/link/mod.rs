@@ -308,9 +308,11 @@ impl LinkHandle {
             sender: format!("{}/{from}", self.local_node),
             target: target.to_string(),
             request_id: 0,
-            // The current span's context, so the peer's spans join the same trace.
+            // The current span's context, so the peer's spans join the same trace (the
+            // tracestate only where the peer reads it; `encode_frame` drops it otherwise).
             traceparent: crate::telemetry::traceparent(),
             body,
+            tracestate: crate::telemetry::tracestate(),
         }
     }
 
