@@ -588,7 +588,7 @@ async fn serve_inner(
             "id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": null},
+                "message": {"role": "assistant", "content": text, "refusal": null, "annotations": []},
                 "logprobs": if logprobs { chat_logprobs(&lps) } else { Value::Null },
                 "finish_reason": finish_str(finish),
             }],
@@ -598,7 +598,7 @@ async fn serve_inner(
             "id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{
                 "index": 0, "text": text,
-                "logprobs": if logprobs { completion_logprobs(&lps) } else { Value::Null },
+                "logprobs": if logprobs { completion_logprobs(&lps, 0) } else { Value::Null },
                 "finish_reason": finish_str(finish),
             }],
             "usage": usage,

@@ -22,12 +22,23 @@ pub(super) fn chat_logprobs(lps: &[(u32, f32, String)]) -> Value {
     })).collect::<Vec<_>>(), "refusal": null})
 }
 
-pub(super) fn completion_logprobs(lps: &[(u32, f32, String)]) -> Value {
+/// The legacy completions' logprobs object. `offset` is the characters of completion text
+/// before the first of `lps` (a stream's chunks continue the count); each token's
+/// `text_offset` is where its text starts. `top_logprobs` is left out: the alternatives are not
+/// computed (a list of the chosen tokens would claim they were the likeliest).
+pub(super) fn completion_logprobs(lps: &[(u32, f32, String)], offset: usize) -> Value {
+    let offsets: Vec<usize> = lps
+        .iter()
+        .scan(offset, |at, (_, _, t)| {
+            let start = *at;
+            *at += t.chars().count();
+            Some(start)
+        })
+        .collect();
     json!({
         "tokens": lps.iter().map(|(_, _, t)| t.clone()).collect::<Vec<_>>(),
         "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
-        "top_logprobs": null,
-        "text_offset": null,
+        "text_offset": offsets,
     })
 }
 
@@ -62,6 +73,8 @@ pub(super) async fn stream_response(
         count: usize,
         /// Prompt tokens served from a prefix cache (the usage chunk reports them).
         cached: usize,
+        /// Characters of completion text sent so far (the logprobs' `text_offset`).
+        chars: usize,
     }
     let chunk = move |choice: Value, usage: Value| -> Event {
         let object = if api == Api::Chat {
@@ -88,6 +101,7 @@ pub(super) async fn stream_response(
             done: false,
             count: 0,
             cached: 0,
+            chars: 0,
         },
         move |mut st| {
             let chunk = chunk.clone();
@@ -118,11 +132,12 @@ pub(super) async fn stream_response(
                             if api == Api::Chat {
                                 chat_logprobs(&one)
                             } else {
-                                completion_logprobs(&one)
+                                completion_logprobs(&one, st.chars)
                             }
                         } else {
                             Value::Null
                         };
+                        st.chars += item.text.chars().count();
                         let choice = match api {
                             Api::Chat => {
                                 json!({"index": 0, "delta": {"content": item.text}, "logprobs": lp, "finish_reason": finish_str(item.finish)})
