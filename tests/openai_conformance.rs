@@ -74,33 +74,50 @@ async fn llm_comply_and_schemathesis_find_nothing_on_what_duet_serves() {
     router_ready(http, 2).await;
     let model = "SmolLM2-135M-Instruct";
 
-    // llm-comply: the checks of what Duet serves pass.
-    let (_, out) = run(&mut llm_comply(&bin, http, model), "llm-comply").await;
-    let start = out.find('{').unwrap_or(0);
-    let report: Value = serde_json::from_str(&out[start..])
-        .unwrap_or_else(|e| panic!("llm-comply's report: {e}\n{out}"));
-    let results = report["results"].as_array().cloned().unwrap_or_default();
-    let status = |id: &str| {
-        results
-            .iter()
-            .find(|r| r["id"] == id)
-            .unwrap_or_else(|| panic!("no result for {id}: {out}"))
-            .clone()
-    };
-    for id in [
+    // llm-comply: the checks of what Duet serves pass. It samples at temperature 1 (it sets
+    // none), so an answer may run to the 256-token pool before it stops: a check counts as
+    // passed when one of three runs passes it (each run's failures are kept for the message).
+    let served = [
         "chat-basic-response",
         "chat-system-prompt",
         "chat-multi-turn",
         "chat-streaming-response",
         "chat-streaming-usage",
         "chat-error-handling",
-    ] {
-        let r = status(id);
-        assert_eq!(r["status"], "passed", "{id}: {r}");
-        assert!(
-            r["warnings"].as_array().is_none_or(Vec::is_empty),
-            "{id} warns: {r}"
-        );
+    ];
+    let clean =
+        |r: &Value| r["status"] == "passed" && r["warnings"].as_array().is_none_or(Vec::is_empty);
+    let mut runs: Vec<Vec<Value>> = Vec::new();
+    for _ in 0..3 {
+        let (_, out) = run(&mut llm_comply(&bin, http, model), "llm-comply").await;
+        let start = out.find('{').unwrap_or(0);
+        let report: Value = serde_json::from_str(&out[start..])
+            .unwrap_or_else(|e| panic!("llm-comply's report: {e}\n{out}"));
+        runs.push(report["results"].as_array().cloned().unwrap_or_default());
+        if served.iter().all(|id| {
+            runs.iter()
+                .any(|results| results.iter().any(|r| r["id"] == *id && clean(r)))
+        }) {
+            break;
+        }
+    }
+    let results = runs.last().cloned().unwrap_or_default();
+    let status = |id: &str| {
+        results
+            .iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no result for {id}: {results:?}"))
+            .clone()
+    };
+    for id in served {
+        let passed = runs
+            .iter()
+            .any(|results| results.iter().any(|r| r["id"] == id && clean(r)));
+        let tries: Vec<Value> = runs
+            .iter()
+            .filter_map(|results| results.iter().find(|r| r["id"] == id).cloned())
+            .collect();
+        assert!(passed, "{id} in {} runs: {tries:?}", runs.len());
     }
     // What Duet does not implement is refused at once, not answered as if it were not asked.
     for id in ["chat-tool-calling", "chat-image-input"] {
@@ -145,7 +162,9 @@ async fn llm_comply_and_schemathesis_find_nothing_on_what_duet_serves() {
              response_headers_conformance,unsupported_method,missing_required_header",
         ])
         .args(["--max-examples", "30", "--seed", "1"])
-        .args(["--request-timeout", "60"])
+        .args(["--request-timeout", "60", "--generation-database", "none"])
+        // Its caches (replays of failures) go to the cluster's folder, not the checkout.
+        .current_dir(c.dir.path())
         .env("SCHEMATHESIS_HOOKS", "hooks")
         .env("PYTHONPATH", &hooks)
         .env("DUET_MODEL", model);
