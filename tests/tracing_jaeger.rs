@@ -137,6 +137,27 @@ fn assert_tracestate_everywhere(trace: &Value, services: &[&str]) {
     }
 }
 
+/// The trace `trace_id` once every service has flushed its part, down to decode's
+/// `decoding` span and at least `chunks` prefill chunks.
+async fn whole_trace(jaeger: &Jaeger, trace_id: &str, chunks: usize) -> Value {
+    poll("the trace in Jaeger", Duration::from_secs(60), || async {
+        let t = jaeger.get(&format!("/api/traces/{trace_id}")).await?;
+        let trace = t["data"].get(0)?.clone();
+        let services: Vec<&str> = trace["spans"]
+            .as_array()?
+            .iter()
+            .map(|s| service_of(&trace, s))
+            .collect();
+        (["duet-router", "duet-p0", "duet-d0"]
+            .iter()
+            .all(|s| services.contains(s))
+            && !spans_named(&trace, "decoding").is_empty()
+            && spans_named(&trace, "chunk").len() >= chunks)
+            .then_some(trace)
+    })
+    .await
+}
+
 async fn completion(http: u16, body: &Value, traceparent: &str) -> Value {
     let body = &with_model(http, body);
     let out = tokio::process::Command::new("curl")
@@ -189,23 +210,7 @@ async fn one_request_is_one_trace_across_router_prefill_and_decode() {
     let v = completion(http, &body, &format!("00-{trace_id}-{client_span}-01")).await;
     assert!(v["choices"][0]["text"].is_string(), "{v}");
 
-    let trace = poll("the trace in Jaeger", Duration::from_secs(60), || async {
-        let t = jaeger.get(&format!("/api/traces/{trace_id}")).await?;
-        let trace = t["data"].get(0)?.clone();
-        let services: Vec<&str> = trace["spans"]
-            .as_array()?
-            .iter()
-            .map(|s| service_of(&trace, s))
-            .collect();
-        // Every service has flushed its part, down to decode's decoding span.
-        (["duet-router", "duet-p0", "duet-d0"]
-            .iter()
-            .all(|s| services.contains(s))
-            && !spans_named(&trace, "decoding").is_empty()
-            && spans_named(&trace, "chunk").len() >= chunks)
-            .then_some(trace)
-    })
-    .await;
+    let trace = whole_trace(&jaeger, trace_id, chunks).await;
     let dump = || serde_json::to_string_pretty(&trace).unwrap_or_default();
 
     let request = spans_named(&trace, "POST /v1/completions");
@@ -399,25 +404,7 @@ async fn spans_go_over_otlp_grpc_when_the_environment_asks() {
                       "ignore_eos": true});
     let v = completion(c.http, &body, &format!("00-{trace_id}-00f067aa0ba902b7-01")).await;
     assert!(v["choices"][0]["text"].is_string(), "{v}");
-    let trace = poll(
-        "the trace in Jaeger, over gRPC",
-        Duration::from_secs(60),
-        || async {
-            let t = jaeger.get(&format!("/api/traces/{trace_id}")).await?;
-            let trace = t["data"].get(0)?.clone();
-            let services: Vec<&str> = trace["spans"]
-                .as_array()?
-                .iter()
-                .map(|s| service_of(&trace, s))
-                .collect();
-            (["duet-router", "duet-p0", "duet-d0"]
-                .iter()
-                .all(|s| services.contains(s))
-                && !spans_named(&trace, "decoding").is_empty())
-            .then_some(trace)
-        },
-    )
-    .await;
+    let trace = whole_trace(&jaeger, trace_id, 1).await;
     assert_eq!(spans_named(&trace, "POST /v1/completions").len(), 1);
     assert_tracestate_everywhere(&trace, &["duet-router", "duet-p0", "duet-d0"]);
 }
