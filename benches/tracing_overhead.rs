@@ -55,28 +55,12 @@ fn p50(mut v: Vec<Duration>) -> f64 {
 
 /// Starts a Jaeger (built by tools/jaeger/install.sh) on loopback; returns it and its OTLP port.
 fn jaeger(dir: &Path) -> (std::process::Child, u16) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/jaeger/install.sh");
-    let out = std::process::Command::new("bash")
-        .arg(script)
-        .output()
-        .expect("install jaeger");
-    assert!(out.status.success(), "building Jaeger failed");
-    let bin = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let p = duet_runtime::testing::free_loopback_ports(3);
-    let config = format!(
-        "service:\n  extensions: [jaeger_storage, jaeger_query]\n  pipelines:\n    traces:\n      \
-         receivers: [otlp]\n      processors: [batch]\n      exporters: [jaeger_storage_exporter]\n  \
-         telemetry:\n    metrics:\n      level: none\n\
-         extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
-         endpoint: 127.0.0.1:{}\n    grpc:\n      endpoint: 127.0.0.1:{}\n  \
-         jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 100000\n\
-         receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{}\n\
-         processors:\n  batch:\n\
-         exporters:\n  jaeger_storage_exporter:\n    trace_storage: mem\n",
-        p[0], p[1], p[2]
+    let bin = duet_runtime::testing::pinned_tool(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/jaeger/install.sh"),
     );
+    let ports = duet_runtime::testing::JaegerPorts::free();
     let path = dir.join("jaeger.yaml");
-    std::fs::write(&path, config).expect("jaeger config");
+    std::fs::write(&path, duet_runtime::testing::jaeger_config(ports)).expect("jaeger config");
     let child = std::process::Command::new(bin)
         .arg("--config")
         .arg(path)
@@ -84,7 +68,7 @@ fn jaeger(dir: &Path) -> (std::process::Child, u16) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start jaeger");
-    (child, p[2])
+    (child, ports.otlp_http)
 }
 
 async fn run(model: &Path, mode: Mode, otlp: u16, reps: usize) -> (f64, f64) {

@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -24,20 +24,6 @@ const PROMPTS: usize = 4;
 fn request(i: usize) -> Value {
     json!({"prompt": format!("rolling upgrade {}", i % PROMPTS), "max_tokens": 6,
            "ignore_eos": true, "temperature": 0})
-}
-
-/// Installs "a later build" at `bin`: the same binary started with `versions` as the wire
-/// versions it speaks. Replaced atomically, as a package manager does.
-fn install_build(bin: &Path, real: &Path, versions: &str) {
-    let next = bin.with_extension("next");
-    let script = format!(
-        "#!/bin/sh\nDUET_TEST_WIRE_VERSIONS={versions} exec {} \"$@\"\n",
-        real.display()
-    );
-    std::fs::write(&next, script).expect("write the new build");
-    std::fs::set_permissions(&next, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    std::fs::rename(&next, bin).expect("install the new build");
 }
 
 /// The wire version node `node`'s link to `peer` uses.

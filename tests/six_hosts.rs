@@ -193,13 +193,7 @@ async fn six_hosts_serve_through_cuts_crashes_a_join_and_a_rolling_upgrade() {
     let real = std::path::PathBuf::from(duet_bin());
     let bin = dir.path().join("duet");
     // Every host starts on "an older build": this one, speaking wire version 1 alone.
-    let old = format!(
-        "#!/bin/sh\nDUET_TEST_WIRE_VERSIONS=1-1 exec {} \"$@\"\n",
-        real.display()
-    );
-    std::fs::write(&bin, old).expect("the old build");
-    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
+    install_build(&bin, &real, "1-1");
 
     eprintln!("[{TEST}] references from duet generate");
     let refs = references().await;
@@ -337,18 +331,7 @@ async fn six_hosts_serve_through_cuts_crashes_a_join_and_a_rolling_upgrade() {
 
     // 6: a rolling upgrade of every decode worker (d7 included) to a later build.
     {
-        let next = format!("{}.next", f.bin);
-        std::fs::write(
-            &next,
-            format!(
-                "#!/bin/sh\nDUET_TEST_WIRE_VERSIONS=2 exec {} \"$@\"\n",
-                real.display()
-            ),
-        )
-        .expect("the new build");
-        std::fs::set_permissions(&next, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .expect("chmod");
-        std::fs::rename(&next, &f.bin).expect("install the new build");
+        install_build(std::path::Path::new(&f.bin), &real, "2");
         let retries = f.retries().await;
         let load = Load::start(&f.hosts, &refs, &ROUTERS, 4, 20);
         load.under_way().await;

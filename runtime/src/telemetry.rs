@@ -485,14 +485,18 @@ mod tests {
 
     #[test]
     fn exports_go_where_the_environment_then_the_file_says() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
+        fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+            let pairs: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            move |name| {
                 pairs
                     .iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| v.to_string())
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
             }
-        };
+        }
         let mut file = TelemetryConfig::default();
         assert_eq!(export_target(&file, vars(&[])), Ok(None));
         file.otlp_endpoint = Some("http://jaeger".into());
@@ -544,8 +548,7 @@ mod tests {
                 "not an OTLP collector URL",
             ),
         ] {
-            let pairs: &'static [(&str, &str)] = Box::leak(Box::new([(k, v)]));
-            let e = export_target(&file, vars(pairs)).unwrap_err();
+            let e = export_target(&file, vars(&[(k, v)])).unwrap_err();
             assert!(e.contains(k) && e.contains(says), "{e}");
         }
     }

@@ -51,7 +51,8 @@ impl JaegerPorts {
     }
 }
 
-/// The configuration of an all-in-one Jaeger (v2) for tests and examples: traces in memory,
+/// The configuration of an all-in-one Jaeger (v2) for tests, examples and benchmarks: traces
+/// in memory (up to 100,000, enough for a benchmark's load),
 /// OTLP in over HTTP and over gRPC, the query API over HTTP and gRPC, all on loopback.
 pub fn jaeger_config(p: JaegerPorts) -> String {
     format!(
@@ -60,7 +61,7 @@ pub fn jaeger_config(p: JaegerPorts) -> String {
          telemetry:\n    metrics:\n      level: none\n\
          extensions:\n  jaeger_query:\n    storage:\n      traces: mem\n    http:\n      \
          endpoint: 127.0.0.1:{}\n    grpc:\n      endpoint: 127.0.0.1:{}\n  \
-         jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 10000\n\
+         jaeger_storage:\n    backends:\n      mem:\n        memory:\n          max_traces: 100000\n\
          receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{}\n      \
          grpc:\n        endpoint: 127.0.0.1:{}\n\
          processors:\n  batch:\n    timeout: 100ms\n\

@@ -637,3 +637,18 @@ async fn make_openai_python() -> PathBuf {
     }
     python
 }
+
+/// Installs "another build" at `bin`: this binary started with `versions` as the wire
+/// versions it speaks (`DUET_TEST_WIRE_VERSIONS`). Replaced atomically, as a package manager
+/// does, so a running node is untouched and the next start runs it.
+pub fn install_build(bin: &Path, real: &Path, versions: &str) {
+    let next = bin.with_extension("next");
+    let script = format!(
+        "#!/bin/sh\nDUET_TEST_WIRE_VERSIONS={versions} exec {} \"$@\"\n",
+        real.display()
+    );
+    std::fs::write(&next, script).expect("write the new build");
+    std::fs::set_permissions(&next, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    std::fs::rename(&next, bin).expect("install the new build");
+}

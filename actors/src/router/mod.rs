@@ -18,6 +18,7 @@ pub mod http;
 mod openai;
 pub mod policy;
 mod shared;
+mod spans;
 mod stream;
 
 use std::collections::HashMap;

@@ -301,6 +301,9 @@ impl LinkHandle {
         flow: Flow,
         body: Vec<u8>,
     ) -> Envelope {
+        // The current span's context, so the peer's spans join the same trace (the
+        // tracestate only where the peer reads it; `encode_frame` drops it otherwise).
+        let trace = crate::telemetry::TraceHeaders::current();
         Envelope {
             version: session.link.wire,
             kind: kind.to_string(),
@@ -308,11 +311,9 @@ impl LinkHandle {
             sender: format!("{}/{from}", self.local_node),
             target: target.to_string(),
             request_id: 0,
-            // The current span's context, so the peer's spans join the same trace (the
-            // tracestate only where the peer reads it; `encode_frame` drops it otherwise).
-            traceparent: crate::telemetry::traceparent(),
+            traceparent: trace.traceparent,
             body,
-            tracestate: crate::telemetry::tracestate(),
+            tracestate: trace.tracestate,
         }
     }
 
