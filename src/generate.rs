@@ -46,6 +46,10 @@ pub struct GenerateArgs {
     /// Keep only the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Report the N likeliest tokens and their log-probabilities at each position, as
+    /// `[id, logprob]` pairs under `top_logprobs` in the `--json` output (at most 20).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=20))]
+    top_logprobs: u8,
     /// Seed for reproducible sampling.
     #[arg(long)]
     seed: Option<u64>,
@@ -223,20 +227,22 @@ fn run(args: GenerateArgs) -> Result<(), String> {
             presence: args.presence_penalty,
             frequency: args.frequency_penalty,
         },
+        top_logprobs: usize::from(args.top_logprobs),
     };
     runner
         .submit(0, prompt.clone(), params)
         .map_err(|e| e.to_string())?;
     let start = Instant::now();
     let mut first_token = None;
-    let (mut ids, mut text, mut logprobs, mut finish) =
-        (Vec::new(), String::new(), Vec::new(), None);
+    let (mut ids, mut text, mut logprobs, mut top, mut finish) =
+        (Vec::new(), String::new(), Vec::new(), Vec::new(), None);
     let mut stdout = std::io::stdout();
     while !runner.scheduler.is_idle() {
         for ev in runner.step().map_err(|e| e.to_string())? {
             first_token.get_or_insert_with(|| start.elapsed());
             ids.push(ev.token);
             logprobs.push(ev.logprob);
+            top.push(ev.top);
             text.push_str(&ev.text);
             if !args.json {
                 let _ = stdout.write_all(ev.text.as_bytes());
@@ -258,6 +264,7 @@ fn run(args: GenerateArgs) -> Result<(), String> {
             "token_ids": ids,
             "text": text,
             "logprobs": logprobs,
+            "top_logprobs": top,
             "finish_reason": finish,
             "prompt_tokens": prompt.len(),
             "completion_tokens": ids.len(),

@@ -111,6 +111,7 @@ fn disaggregated(
                     Sampled {
                         token: ev.token,
                         logprob: ev.logprob,
+                        top: ev.top.clone(),
                     },
                     0,
                     &d.engine.model.tokenizer,

@@ -3,9 +3,12 @@
 //!
 //! - no `null` where the schema wants a string (`system_fingerprint` is omitted);
 //! - `model` is required (400 naming it); a field Duet does not implement (`tools`,
-//!   `response_format`, `logit_bias`, `top_logprobs`, ...) is a 400 naming the field, at once,
+//!   `response_format`, `logit_bias`, `echo`, ...) is a 400 naming the field, at once,
 //!   not a request run to the context limit; `null` counts as absent; presence and frequency
 //!   penalties are applied (and checked to be within -2..2);
+//! - `top_logprobs` (chat) and `logprobs: N` (completions) report the likeliest alternatives,
+//!   the engine's own figures (`duet generate --top-logprobs`), the first token's included
+//!   (prefill samples it and hands them over with the last KV write);
 //! - streamed usage carries `prompt_tokens_details.cached_tokens`;
 //! - `/v1/models` gives `max_model_len` and a real `created`; `/v1/models/{model}` the same
 //!   object (404 `model_not_found` for another name);
@@ -55,6 +58,16 @@ async fn request(
     status_and_json(&out.stdout)
 }
 
+/// The JSON chunks of a server-sent event stream (without the final `[DONE]`).
+fn sse_chunks(body: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+        .collect()
+}
+
 fn assert_openai_error(v: &Value, param: Option<&str>) {
     let e = &v["error"];
     assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
@@ -99,12 +112,7 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         let child = curl_stream(http, &streamed, Stdio::piped());
         let out = child.wait_with_output().await.expect("curl");
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let chunks: Vec<Value> = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .filter(|d| *d != "[DONE]")
-            .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
-            .collect();
+        let chunks = sse_chunks(&out.stdout);
         assert!(
             chunks.iter().all(|c| c.get("system_fingerprint").is_none()),
             "{text}"
@@ -156,7 +164,11 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         ),
         ("logit_bias", json!({"5": 10}), "/v1/completions"),
         ("echo", json!(true), "/v1/completions"),
+        // Alternatives without `logprobs: true`, or out of range.
         ("top_logprobs", json!(3), "/v1/chat/completions"),
+        ("top_logprobs", json!(21), "/v1/chat/completions"),
+        ("logprobs", json!(6), "/v1/completions"),
+        ("top_logprobs", json!(2), "/v1/completions"),
         // Out of OpenAI's range.
         ("presence_penalty", json!(2.5), "/v1/completions"),
         ("frequency_penalty", json!(-3), "/v1/chat/completions"),
@@ -210,6 +222,8 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         text(&again),
         "penalized greedy decoding is deterministic"
     );
+
+    top_logprobs_are_the_engines(&c, http, &model).await;
 
     // /v1/models: max_model_len and a real created.
     let (code, v) = request(http, "GET", "/v1/models", None, None).await;
@@ -304,5 +318,170 @@ async fn api_keys_guard_the_public_api_and_leave_probes_open() {
     for probe in ["/health", "/ready"] {
         let (code, v) = request(http, "GET", probe, None, None).await;
         assert_eq!(code, 200, "{probe}: {v}");
+    }
+}
+
+/// `top_logprobs` on the disaggregated pair (`duet_pair`), streamed and not, in both APIs:
+/// each token's alternatives are the engine's (`duet generate --top-logprobs` on the same ids
+/// in its own process: same ids, same figures), likeliest first, the chosen one first under
+/// greedy decoding; the first token's come from prefill with the last KV write.
+async fn top_logprobs_are_the_engines(c: &ClusterDir, http: u16, model: &str) {
+    const N: usize = 4;
+    const TOKENS: usize = 6;
+    let ids: Vec<u32> = (0..24).map(|i| 30 + 7 * i).collect();
+    let csv: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let model_file = c.dir.path().join("tiny.gguf");
+    let out = duet(&[
+        "generate",
+        "--model",
+        path_str(&model_file),
+        "--prompt-ids",
+        &csv.join(","),
+        "--max-tokens",
+        &TOKENS.to_string(),
+        "--ignore-eos",
+        "--top-logprobs",
+        &N.to_string(),
+        "--threads",
+        "1",
+        "--json",
+    ])
+    .await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let reference: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
+    let expect: Vec<Vec<(u32, f64)>> = reference["top_logprobs"]
+        .as_array()
+        .expect("top_logprobs")
+        .iter()
+        .map(|pos| {
+            pos.as_array()
+                .expect("a position")
+                .iter()
+                .map(|p| {
+                    (
+                        p[0].as_u64().expect("id") as u32,
+                        p[1].as_f64().expect("logprob"),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(expect.len(), TOKENS, "{reference}");
+    assert!(expect.iter().all(|p| p.len() == N), "{reference}");
+    let chosen: Vec<u64> = reference["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    // Greedy: the chosen token is the likeliest.
+    for (pos, id) in expect.iter().zip(&chosen) {
+        assert_eq!(u64::from(pos[0].0), *id, "{reference}");
+    }
+    // What the router reports per position: (text, logprob) of each alternative.
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-4;
+    let check = |got: &[Vec<(String, f64)>], chosen_lps: &[f64], what: &str| {
+        assert_eq!(got.len(), TOKENS, "{what}: {got:?}");
+        for (i, (pos, want)) in got.iter().zip(&expect).enumerate() {
+            assert_eq!(pos.len(), N, "{what} token {i}: {pos:?}");
+            for ((text, lp), (_, want_lp)) in pos.iter().zip(want) {
+                assert!(
+                    close(*lp, *want_lp),
+                    "{what} token {i}: {pos:?} vs {want:?}"
+                );
+                assert!(!text.is_empty() || *lp < 0.0, "{what} token {i}: {pos:?}");
+            }
+            assert!(close(chosen_lps[i], pos[0].1), "{what} token {i}");
+        }
+    };
+    let prompt_text: Vec<u32> = ids.clone();
+    let base = json!({"model": model, "prompt": prompt_text, "max_tokens": TOKENS,
+                      "temperature": 0, "ignore_eos": true, "duet_pair": "p0,d0"});
+    // Completions: logprobs N, whole and streamed.
+    let mut legacy = base.clone();
+    legacy["logprobs"] = json!(N);
+    let (code, v) = request(http, "POST", "/v1/completions", Some(&legacy), None).await;
+    assert_eq!(code, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let per_token = |top: &Value| -> Vec<(String, f64)> {
+        let mut pairs: Vec<(String, f64)> = top
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(f64::NAN)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        pairs
+    };
+    let got: Vec<Vec<(String, f64)>> = lp["top_logprobs"]
+        .as_array()
+        .map(|a| a.iter().map(per_token).collect())
+        .unwrap_or_default();
+    let chosen_lps: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default();
+    check(&got, &chosen_lps, "completions");
+    legacy["stream"] = json!(true);
+    let child = curl_stream(http, &legacy, Stdio::piped());
+    let out = child.wait_with_output().await.expect("curl");
+    let chunks = sse_chunks(&out.stdout);
+    let (mut got, mut chosen_lps) = (Vec::new(), Vec::new());
+    for ch in &chunks {
+        let lp = &ch["choices"][0]["logprobs"];
+        for top in lp["top_logprobs"].as_array().into_iter().flatten() {
+            got.push(per_token(top));
+        }
+        chosen_lps.extend(
+            lp["token_logprobs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_f64),
+        );
+    }
+    check(&got, &chosen_lps, "completions streamed");
+    // Chat: logprobs true with top_logprobs N (the chat template wraps the prompt, so the
+    // figures differ from the reference's: their shape and order are checked).
+    let chat = json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": TOKENS, "temperature": 0, "ignore_eos": true,
+                      "logprobs": true, "top_logprobs": N, "duet_pair": "p0,d0"});
+    let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&chat), None).await;
+    assert_eq!(code, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(content.len(), TOKENS, "{v}");
+    for e in &content {
+        let top = e["top_logprobs"].as_array().cloned().unwrap_or_default();
+        assert_eq!(top.len(), N, "{e}");
+        let lps: Vec<f64> = top.iter().filter_map(|t| t["logprob"].as_f64()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]), "{e}");
+        assert!(
+            lps.iter().map(|l| l.exp()).sum::<f64>() <= 1.0 + 1e-4,
+            "{e}"
+        );
+        assert!(
+            close(e["logprob"].as_f64().unwrap_or(f64::NAN), lps[0]),
+            "{e}"
+        );
+        for t in &top {
+            let bytes: Vec<u8> = t["bytes"]
+                .as_array()
+                .map(|b| {
+                    b.iter()
+                        .filter_map(|x| x.as_u64().map(|x| x as u8))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let token = t["token"].as_str().unwrap_or("?");
+            match std::str::from_utf8(&bytes) {
+                Ok(text) => assert_eq!(text, token, "{t}"),
+                Err(_) => assert!(token.starts_with("bytes:\\x"), "{t}"),
+            }
+        }
     }
 }

@@ -42,6 +42,7 @@
 //! (and retries a request that had produced no token on another worker).
 
 use duet_engine::sampling::SamplerState;
+use duet_engine::sampling::TopLogprobs;
 use duet_engine::scheduler::Resume;
 use duet_engine::{FinishReason, SamplingParams};
 use duet_gpu::{KvLayout, PageId};
@@ -294,6 +295,10 @@ pub struct TransferDone {
     /// CRC-32 of every run written, over D's pages in the order listed (empty when
     /// `kv_checksum` is off): D checks them before it publishes.
     pub checksums: Vec<RunChecksum>,
+    /// The first token's likeliest alternatives (`top_logprobs`). Last, and left out when
+    /// empty, so a request without them reads the same to a build before them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: TopLogprobs,
 }
 
 /// The checksum of the pages one write covered.
@@ -435,6 +440,10 @@ pub struct TokenItem {
     /// With `error`: which failure it is.
     #[serde(default)]
     pub code: ErrorCode,
+    /// The likeliest tokens at this position, when the request asked for `top_logprobs`.
+    /// Last, and left out when empty (a build before them reads the rest as ever).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: TopLogprobs,
 }
 
 impl TokenItem {
@@ -448,6 +457,7 @@ impl TokenItem {
             finish: None,
             error: Some(error.to_string()),
             cached_tokens: 0,
+            top: Vec::new(),
             class: error.class(),
             code: error.code(),
         }

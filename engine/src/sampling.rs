@@ -1,11 +1,20 @@
 //! Choosing the next token: presence and frequency penalties, greedy, temperature, top-k,
-//! top-p, with a seed; and when to stop.
+//! top-p, with a seed; the likeliest alternatives and their log-probabilities when asked
+//! for; and when to stop.
 
 use rand::Rng;
-use serde::{Deserialize, Serialize};
+use serde::ser::SerializeStruct;
+use serde::{Deserialize, Serialize, Serializer};
+
+/// The most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// How to sample and when to stop (the OpenAI parameters, plus the benchmark clients' ones).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The wire encoding is positional (MessagePack arrays): the trailing optional fields are
+/// left out while they are off, so a message that uses none of them reads the same to a build
+/// that predates them (see the `Serialize` impl).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct SamplingParams {
     /// 0 is greedy.
     pub temperature: f32,
@@ -23,10 +32,48 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Stop when the text contains any of these (the stop string is not returned).
     pub stop: Vec<String>,
-    /// OpenAI's presence and frequency penalties. Last, and left out of the encoding when
-    /// both are 0, so a message without penalties reads the same to a build before them.
-    #[serde(default, skip_serializing_if = "Penalties::is_off")]
+    /// OpenAI's presence and frequency penalties (left out of the encoding when both are 0
+    /// and nothing after them is set).
+    #[serde(default)]
     pub penalties: Penalties,
+    /// How many of the likeliest tokens to report, with their log-probabilities, at each
+    /// position (OpenAI's `top_logprobs`; 0 = none, at most [`MAX_TOP_LOGPROBS`]).
+    #[serde(default)]
+    pub top_logprobs: usize,
+}
+
+impl Serialize for SamplingParams {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // Positional: a trailing field is written when it or one after it is set, so the
+        // fields that are written are always a prefix of the struct's.
+        let tail = if self.top_logprobs > 0 {
+            2
+        } else if !self.penalties.is_off() {
+            1
+        } else {
+            0
+        };
+        let mut st = s.serialize_struct("SamplingParams", 8 + tail)?;
+        st.serialize_field("temperature", &self.temperature)?;
+        st.serialize_field("top_p", &self.top_p)?;
+        st.serialize_field("top_k", &self.top_k)?;
+        st.serialize_field("seed", &self.seed)?;
+        st.serialize_field("max_tokens", &self.max_tokens)?;
+        st.serialize_field("min_tokens", &self.min_tokens)?;
+        st.serialize_field("ignore_eos", &self.ignore_eos)?;
+        st.serialize_field("stop", &self.stop)?;
+        if tail >= 1 {
+            st.serialize_field("penalties", &self.penalties)?;
+        } else {
+            st.skip_field("penalties")?;
+        }
+        if tail >= 2 {
+            st.serialize_field("top_logprobs", &self.top_logprobs)?;
+        } else {
+            st.skip_field("top_logprobs")?;
+        }
+        st.end()
+    }
 }
 
 /// Penalties on the tokens a sequence has generated (OpenAI's, each -2 to 2).
@@ -74,6 +121,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             stop: Vec::new(),
             penalties: Penalties::default(),
+            top_logprobs: 0,
         }
     }
 }
@@ -88,13 +136,19 @@ pub enum FinishReason {
     Length,
 }
 
+/// The likeliest tokens at one position with their log-probabilities, likeliest first (ties
+/// by lower id); empty unless the request asked for them.
+pub type TopLogprobs = Vec<(u32, f32)>;
+
 /// A sampled token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     /// The token.
     pub token: u32,
     /// Its log-probability under the model's distribution (raw logits, temperature 1).
     pub logprob: f32,
+    /// The `top_logprobs` likeliest tokens under the same distribution.
+    pub top: TopLogprobs,
 }
 
 /// Where a sampler's random stream stands: its seed and how many draws it made. Draw `n` is
@@ -162,6 +216,16 @@ impl Sampler {
     /// `banned` tokens (EOS before `min_tokens`) are never chosen. The logprob reported is
     /// under the raw logits, as OpenAI's are.
     pub fn sample(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> Sampled {
+        let (token, logprob) = self.choose(logits, banned, generated);
+        Sampled {
+            token,
+            logprob,
+            top: top_logprobs(logits, self.params.top_logprobs),
+        }
+    }
+
+    /// The chosen token and its raw log-probability.
+    fn choose(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> (u32, f32) {
         let raw = logits;
         let penalized;
         let logits = if !self.params.penalties.is_off() {
@@ -174,10 +238,7 @@ impl Sampler {
         let allowed = |i: usize| banned != Some(i as u32);
         if self.params.temperature <= 0.0 {
             let token = argmax(logits, allowed);
-            return Sampled {
-                token,
-                logprob: logprob_of(token),
-            };
+            return (token, logprob_of(token));
         }
         let inv_t = 1.0 / self.params.temperature;
         let mut cands: Vec<(usize, f32)> = logits
@@ -188,10 +249,7 @@ impl Sampler {
             .collect();
         if cands.is_empty() {
             let token = argmax(logits, |_| true);
-            return Sampled {
-                token,
-                logprob: logprob_of(token),
-            };
+            return (token, logprob_of(token));
         }
         // Most likely first; ties by lower id so the order is deterministic.
         cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -226,11 +284,39 @@ impl Sampler {
             }
             r -= p;
         }
-        Sampled {
-            token: chosen as u32,
-            logprob: logprob_of(chosen as u32),
-        }
+        (chosen as u32, logprob_of(chosen as u32))
     }
+}
+
+/// The `n` likeliest tokens of `logits` and their log-softmax, likeliest first, ties by lower
+/// id (as OpenAI reports them: the model's raw distribution, before penalties, temperature
+/// and truncation). One pass over the vocabulary keeping the best `n`; NaN never counts.
+pub fn top_logprobs(logits: &[f32], n: usize) -> TopLogprobs {
+    if n == 0 {
+        return Vec::new();
+    }
+    let n = n.min(MAX_TOP_LOGPROBS);
+    // Kept sorted, best first; n is at most 20, so insertion beats a heap.
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() || (best.len() == n && l <= best[n - 1].1) {
+            continue;
+        }
+        let at = best.partition_point(|&(_, b)| b >= l);
+        best.insert(at, (i as u32, l));
+        best.truncate(n);
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // The same sum, in the same order, as `log_softmax_at`: the chosen token's logprob and
+    // its entry here are bit-identical.
+    let log_sum = logits
+        .iter()
+        .map(|l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln();
+    best.into_iter()
+        .map(|(t, l)| (t, (f64::from(l - max) - log_sum) as f32))
+        .collect()
 }
 
 fn argmax(logits: &[f32], allowed: impl Fn(usize) -> bool) -> u32 {
@@ -346,7 +432,7 @@ mod tests {
     }
 
     #[test]
-    fn penalty_free_params_encode_as_before_penalties_existed() {
+    fn params_without_the_optional_tail_encode_as_before_it_existed() {
         #[derive(Serialize)]
         struct Before {
             temperature: f32,
@@ -371,16 +457,95 @@ mod tests {
         };
         let bytes = rmp_serde::to_vec(&p).expect("encode");
         assert_eq!(bytes, rmp_serde::to_vec(&before).expect("encode"));
-        let with = SamplingParams {
+        let penalized = SamplingParams {
             penalties: Penalties {
                 presence: 0.0,
                 frequency: 1.0,
             },
-            ..p
+            ..p.clone()
         };
-        let back: SamplingParams =
-            rmp_serde::from_slice(&rmp_serde::to_vec(&with).expect("encode")).expect("decode");
-        assert_eq!(back, with);
+        // Alternatives asked for without penalties: the penalties are written (as zeros) so
+        // the positions hold.
+        let top = SamplingParams {
+            top_logprobs: 3,
+            ..p.clone()
+        };
+        let both = SamplingParams {
+            top_logprobs: 20,
+            ..penalized.clone()
+        };
+        for with in [penalized, top, both] {
+            let back: SamplingParams =
+                rmp_serde::from_slice(&rmp_serde::to_vec(&with).expect("encode")).expect("decode");
+            assert_eq!(back, with);
+            let json: SamplingParams =
+                serde_json::from_str(&serde_json::to_string(&with).expect("json")).expect("json");
+            assert_eq!(json, with);
+        }
+        // A build before `top_logprobs` reads a penalized message as it always did.
+        #[derive(Deserialize)]
+        struct WithPenalties {
+            _temperature: f32,
+            _top_p: f32,
+            _top_k: usize,
+            _seed: Option<u64>,
+            _max_tokens: usize,
+            _min_tokens: usize,
+            _ignore_eos: bool,
+            _stop: Vec<String>,
+            penalties: Penalties,
+        }
+        let old: WithPenalties = rmp_serde::from_slice(
+            &rmp_serde::to_vec(&SamplingParams {
+                penalties: Penalties {
+                    presence: 1.5,
+                    frequency: 0.0,
+                },
+                ..p
+            })
+            .expect("encode"),
+        )
+        .expect("decode");
+        assert_eq!(old.penalties.presence, 1.5);
+    }
+
+    #[test]
+    fn top_logprobs_are_the_likeliest_under_the_raw_distribution() {
+        let logits = [0.5f32, 3.0, -1.0, 3.0, 2.0, f32::NEG_INFINITY];
+        let top = top_logprobs(&logits, 3);
+        // Ties by lower id; values are exactly log_softmax_at's.
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 4]);
+        for (t, lp) in &top {
+            assert_eq!(*lp, log_softmax_at(&logits, *t as usize));
+        }
+        assert!(top_logprobs(&logits, 0).is_empty());
+        assert_eq!(top_logprobs(&logits, 50).len(), logits.len());
+        // The sampler reports them whatever it chose, before penalties and temperature.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.7,
+            seed: Some(3),
+            top_logprobs: 2,
+            penalties: Penalties {
+                presence: 2.0,
+                frequency: 2.0,
+            },
+            ..SamplingParams::default()
+        });
+        let out = s.sample(&logits, None, &[1, 1, 3]);
+        assert_eq!(out.top, top_logprobs(&logits, 2));
+        // Asking for alternatives does not change the token drawn.
+        let mut plain = Sampler::new(SamplingParams {
+            top_logprobs: 0,
+            ..s.params().clone()
+        });
+        let mut again = Sampler::new(s.params().clone());
+        for _ in 0..20 {
+            assert_eq!(
+                plain.sample(&logits, None, &[]).token,
+                again.sample(&logits, None, &[]).token
+            );
+        }
     }
 
     #[test]

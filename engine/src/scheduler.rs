@@ -19,7 +19,9 @@ use duet_gpu::{PageAllocator, PageId, PoolError};
 
 use crate::engine::SeqChunk;
 use crate::prefix_cache::PrefixCache;
-use crate::sampling::{FinishReason, Sampled, Sampler, SamplerState, SamplingParams, find_stop};
+use crate::sampling::{
+    FinishReason, Sampled, Sampler, SamplerState, SamplingParams, TopLogprobs, find_stop,
+};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Identifies a sequence.
@@ -124,6 +126,8 @@ pub struct SeqEvent {
     pub token: u32,
     /// Its log-probability.
     pub logprob: f32,
+    /// The likeliest tokens at this position (when the request asked for `top_logprobs`).
+    pub top: TopLogprobs,
     /// Text that is now final (never splits a character or shows a stop string).
     pub text: String,
     /// Set when the sequence ended.
@@ -626,6 +630,7 @@ impl Scheduler {
                     seq: item.seq,
                     token: s.token,
                     logprob: s.logprob,
+                    top: s.top,
                     text: String::new(),
                     finish: None,
                     cached_tokens: seq.cached_tokens,
@@ -778,6 +783,7 @@ impl Scheduler {
             seq: id,
             token: s.token,
             logprob: s.logprob,
+            top: s.top,
             text,
             finish,
             cached_tokens,

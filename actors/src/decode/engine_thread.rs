@@ -387,6 +387,7 @@ impl DecodeCore {
                             cached_tokens: ev.cached_tokens,
                             class: FailureClass::Attempt,
                             code: Default::default(),
+                            top: ev.top,
                         },
                     ));
                 }

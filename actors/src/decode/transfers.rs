@@ -375,6 +375,7 @@ impl DecodeCore {
         let first = Sampled {
             token: d.token,
             logprob: d.logprob,
+            top: d.top.clone(),
         };
         let tok = &self.runner.engine.model.tokenizer;
         match self.runner.scheduler.admit_transferred(
@@ -423,6 +424,7 @@ impl DecodeCore {
                         cached_tokens: ev.cached_tokens,
                         class: FailureClass::Attempt,
                         code: Default::default(),
+                        top: ev.top,
                     },
                 ));
                 if finished {

@@ -421,6 +421,7 @@ impl PrefillCore {
                 bytes: 0,
                 prefill_cached: ev.cached_tokens,
                 checksums: Vec::new(),
+                top: ev.top,
             };
             let _ = self.jobs.send(
                 self.worker,

@@ -83,6 +83,11 @@ async fn start_attempt(
 }
 
 impl Generation {
+    /// The served model's tokenizer (to spell the alternatives a token item names by id).
+    pub(super) fn tokenizer(&self) -> &duet_engine::tokenizer::Tokenizer {
+        &self.shared.tokenizer
+    }
+
     pub(super) async fn start(
         shared: Arc<RouterShared>,
         prompt: Vec<u32>,

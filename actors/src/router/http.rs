@@ -19,7 +19,7 @@ use super::access::{self, Access};
 use super::generation::Generation;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest};
 use super::spans::{self, request_span, traced};
-use super::stream::{chat_logprobs, completion_logprobs, stream_response};
+use super::stream::{TokenLogprob, chat_logprobs, completion_logprobs, stream_response};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 4 << 20;
@@ -331,6 +331,7 @@ fn params(
     prompt_len: usize,
     prompt_param: &str,
     c: &Common,
+    chat: bool,
 ) -> Result<SamplingParams, ApiError> {
     if prompt_len == 0 {
         return Err(ApiError::invalid("the prompt is empty", prompt_param));
@@ -367,6 +368,7 @@ fn params(
         presence: penalty(c.presence_penalty, "presence_penalty")?,
         frequency: penalty(c.frequency_penalty, "frequency_penalty")?,
     };
+    let top_logprobs = c.top_logprobs(chat)?;
     let (limit, what) = s.sequence_limit();
     let room = limit.saturating_sub(prompt_len);
     if room == 0 {
@@ -400,6 +402,7 @@ fn params(
         ignore_eos: c.ignore_eos.unwrap_or(false),
         stop: c.stops()?,
         penalties,
+        top_logprobs,
     })
 }
 
@@ -453,7 +456,7 @@ async fn serve_inner(
         Api::Chat => "messages",
         Api::Completion => "prompt",
     };
-    let params = match params(&s, prompt.len(), prompt_param, &c) {
+    let params = match params(&s, prompt.len(), prompt_param, &c, api == Api::Chat) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -493,9 +496,9 @@ async fn serve_inner(
             Ok(item) => {
                 text.push_str(&item.text);
                 cached += item.cached_tokens;
-                if let Some(t) = item.token {
+                if item.token.is_some() {
                     count += 1;
-                    lps.push((t, item.logprob, item.text.clone()));
+                    lps.push(TokenLogprob::of(&item, generation.tokenizer()));
                 }
                 finish = item.finish.or(finish);
             }

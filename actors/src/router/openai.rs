@@ -9,6 +9,7 @@
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use duet_engine::sampling::MAX_TOP_LOGPROBS;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -147,22 +148,50 @@ const UNSUPPORTED: &[(&str, &str)] = &[
 ];
 
 impl Common {
-    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]); top log-probabilities
-    /// are refused the same way.
+    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]).
     pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         for (field, why) in UNSUPPORTED {
             if self.other.get(*field).is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::invalid(*why, field).code("unsupported_parameter"));
             }
         }
-        if self.top_logprobs.is_some_and(|n| n > 0) {
-            return Err(ApiError::invalid(
-                "top_logprobs is not supported by this server (logprobs of the chosen tokens are)",
-                "top_logprobs",
-            )
-            .code("unsupported_parameter"));
-        }
         Ok(())
+    }
+
+    /// How many of the likeliest alternatives to report per token: chat's `top_logprobs`
+    /// (0 to 20, with `logprobs: true`, as OpenAI requires), the legacy completions'
+    /// `logprobs: N` (0 to 5, OpenAI's limit there).
+    pub fn top_logprobs(&self, chat: bool) -> Result<usize, ApiError> {
+        if chat {
+            return match self.top_logprobs {
+                None | Some(0) => Ok(0),
+                Some(n) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid(
+                    format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+                    "top_logprobs",
+                )),
+                Some(_) if !self.wants_logprobs() => Err(ApiError::invalid(
+                    "top_logprobs requires logprobs: true",
+                    "top_logprobs",
+                )),
+                Some(n) => Ok(n as usize),
+            };
+        }
+        if self.top_logprobs.is_some_and(|n| n != 0) {
+            return Err(ApiError::invalid(
+                "the completions API asks for alternatives with logprobs: N (0 to 5)",
+                "top_logprobs",
+            ));
+        }
+        match &self.logprobs {
+            Some(Value::Number(n)) => match n.as_i64() {
+                Some(n @ 0..=5) => Ok(n as usize),
+                _ => Err(ApiError::invalid(
+                    "logprobs must be an integer between 0 and 5",
+                    "logprobs",
+                )),
+            },
+            _ => Ok(0),
+        }
     }
 
     /// Stop strings (`stop` is a string or a list of strings).

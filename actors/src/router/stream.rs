@@ -15,31 +15,95 @@ use super::generation::Generation;
 use super::http::{Api, finish_str};
 use super::openai::ApiError;
 use crate::protocol::{ServingError, TokenItem};
+use duet_engine::tokenizer::Tokenizer;
 
-pub(super) fn chat_logprobs(lps: &[(u32, f32, String)]) -> Value {
-    json!({"content": lps.iter().map(|(_, lp, t)| json!({
-        "token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": [],
-    })).collect::<Vec<_>>(), "refusal": null})
+/// One generated token as both logprobs objects report it: the text it made final, its
+/// log-probability, and the likeliest alternatives at its position (each token's own bytes,
+/// from the tokenizer, and log-probability; empty unless asked for).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct TokenLogprob {
+    pub text: String,
+    pub logprob: f32,
+    pub top: Vec<(Vec<u8>, f32)>,
+}
+
+impl TokenLogprob {
+    /// `item`'s token (the caller checked it has one), alternatives spelled by `tok`.
+    pub(super) fn of(item: &TokenItem, tok: &Tokenizer) -> TokenLogprob {
+        TokenLogprob {
+            text: item.text.clone(),
+            logprob: item.logprob,
+            top: item
+                .top
+                .iter()
+                .map(|&(id, lp)| (tok.token_bytes(id), lp))
+                .collect(),
+        }
+    }
+}
+
+/// How an alternative token is spelled: its text, or, when its bytes are not UTF-8 by
+/// themselves (a token that ends inside a character), `bytes:` and each byte as `\xNN`, as
+/// OpenAI spells them, so two such tokens never share a spelling (the legacy object is keyed
+/// by it).
+fn spell(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_string(),
+        Err(_) => {
+            let hex: String = bytes.iter().map(|b| format!("\\x{b:02x}")).collect();
+            format!("bytes:{hex}")
+        }
+    }
+}
+
+/// The chat logprobs object: per token its text, bytes, log-probability and `top_logprobs`
+/// (an alternative's text as [`spell`] writes it, its `bytes` exact).
+pub(super) fn chat_logprobs(lps: &[TokenLogprob]) -> Value {
+    let entry =
+        |text: &str, bytes: &[u8], lp: f32| json!({"token": text, "logprob": lp, "bytes": bytes});
+    json!({"content": lps.iter().map(|t| {
+        let mut e = entry(&t.text, t.text.as_bytes(), t.logprob);
+        e["top_logprobs"] = t
+            .top
+            .iter()
+            .map(|(b, lp)| entry(&spell(b), b, *lp))
+            .collect();
+        e
+    }).collect::<Vec<_>>(), "refusal": null})
 }
 
 /// The legacy completions' logprobs object. `offset` is the characters of completion text
 /// before the first of `lps` (a stream's chunks continue the count); each token's
-/// `text_offset` is where its text starts. `top_logprobs` is left out: the alternatives are not
-/// computed (a list of the chosen tokens would claim they were the likeliest).
-pub(super) fn completion_logprobs(lps: &[(u32, f32, String)], offset: usize) -> Value {
+/// `text_offset` is where its text starts. `top_logprobs` (per token, alternative text to
+/// log-probability) is there when the request asked for alternatives (`logprobs: N`, N > 0);
+/// otherwise it is left out, as a list of the chosen tokens would claim they were the
+/// likeliest.
+pub(super) fn completion_logprobs(lps: &[TokenLogprob], offset: usize) -> Value {
     let offsets: Vec<usize> = lps
         .iter()
-        .scan(offset, |at, (_, _, t)| {
+        .scan(offset, |at, t| {
             let start = *at;
-            *at += t.chars().count();
+            *at += t.text.chars().count();
             Some(start)
         })
         .collect();
-    json!({
-        "tokens": lps.iter().map(|(_, _, t)| t.clone()).collect::<Vec<_>>(),
-        "token_logprobs": lps.iter().map(|(_, lp, _)| *lp).collect::<Vec<_>>(),
+    let mut v = json!({
+        "tokens": lps.iter().map(|t| t.text.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
         "text_offset": offsets,
-    })
+    });
+    if lps.iter().any(|t| !t.top.is_empty()) {
+        v["top_logprobs"] = lps
+            .iter()
+            .map(|t| {
+                t.top
+                    .iter()
+                    .map(|(b, lp)| (spell(b), json!(lp)))
+                    .collect::<serde_json::Map<_, _>>()
+            })
+            .collect();
+    }
+    v
 }
 
 /// A streamed response. Its headers wait for the first item: until then nothing has reached
@@ -128,7 +192,7 @@ pub(super) async fn stream_response(
                         }
                         st.cached += item.cached_tokens;
                         let lp = if logprobs && item.token.is_some() {
-                            let one = [(0, item.logprob, item.text.clone())];
+                            let one = [TokenLogprob::of(&item, st.g.tokenizer())];
                             if api == Api::Chat {
                                 chat_logprobs(&one)
                             } else {
