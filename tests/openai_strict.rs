@@ -169,6 +169,16 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
         ("top_logprobs", json!(21), "/v1/chat/completions"),
         ("logprobs", json!(6), "/v1/completions"),
         ("top_logprobs", json!(2), "/v1/completions"),
+        // Documented fields Duet ignores must still have their documented shape.
+        ("service_tier", json!("turbo"), "/v1/chat/completions"),
+        ("metadata", json!({"k": 1}), "/v1/completions"),
+        ("user", json!(5), "/v1/chat/completions"),
+        ("logprobs", json!(3), "/v1/chat/completions"),
+        (
+            "stream_options",
+            json!({"include_usage": "yes"}),
+            "/v1/completions",
+        ),
         // Out of OpenAI's range.
         ("presence_penalty", json!(2.5), "/v1/completions"),
         ("frequency_penalty", json!(-3), "/v1/chat/completions"),
@@ -190,11 +200,26 @@ async fn responses_fields_and_errors_follow_the_openai_schema() {
             t.elapsed()
         );
     }
+    // A message's role is one the API knows.
+    let mut wizard = chat.clone();
+    wizard["messages"] = json!([{"role": "wizard", "content": "hi"}]);
+    let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&wizard), None).await;
+    assert_eq!(code, 400, "{v}");
+    assert_openai_error(&v, Some("messages"));
+    // A conversation that holds tool calls cannot be continued without tool calling.
+    wizard["messages"] = json!([{"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]}]);
+    let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&wizard), None).await;
+    assert_eq!(code, 400, "{v}");
+    assert_openai_error(&v, Some("messages"));
     // null and zero mean "not set": served.
     let mut unset = chat.clone();
     unset["tools"] = Value::Null;
     unset["presence_penalty"] = json!(0);
     unset["user"] = json!("someone");
+    unset["service_tier"] = json!("auto");
+    unset["metadata"] = json!({"team": "a"});
     let (code, v) = request(http, "POST", "/v1/chat/completions", Some(&unset), None).await;
     assert_eq!(code, 200, "{v}");
 

@@ -24,8 +24,11 @@ def map_body(ctx, body):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW:
             body[key] = MAX_NEW
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    # Absent or null (the document allows null; it means "no limit") both run to the
+    # context's end: give them the limit, which keeps the case valid.
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_NEW
+        body.pop("max_completion_tokens", None)
     return body
 
 

@@ -2,9 +2,11 @@
 //!
 //! A field Duet does not implement but whose absence would change the answer (tools, a JSON
 //! response format, logit biases, more than one choice, ...) is refused with a 400 naming it,
-//! so a client never gets a plausible answer to a question it did not ask. Other unknown
-//! fields (`user`, `metadata`, vendor extensions) are ignored, as clients send many. `null`
-//! counts as absent, as the SDKs send it for unset fields.
+//! so a client never gets a plausible answer to a question it did not ask. Other fields
+//! (`user`, `metadata`, vendor extensions) are ignored, as clients send many; the documented
+//! ones among them must still have the shape the API gives them (a malformed `service_tier`
+//! is a 400, as OpenAI answers it). `null` counts as absent, as the SDKs send it for unset
+//! fields.
 
 use axum::Json;
 use axum::http::StatusCode;
@@ -19,11 +21,47 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Value,
+    /// The rest (`name`, `tool_calls`, ...).
+    #[serde(flatten)]
+    pub other: std::collections::BTreeMap<String, Value>,
 }
 
+/// Message fields that carry what only tool calling or audio output produce: a conversation
+/// that holds them cannot be continued faithfully here.
+const UNSUPPORTED_IN_MESSAGES: &[&str] = &["tool_calls", "function_call", "audio"];
+
 impl ChatMessage {
-    /// The text of the message.
+    /// The text of the message (its role checked: one of [`ROLES`]).
     pub fn text(&self) -> Result<String, ApiError> {
+        if !ROLES.contains(&self.role.as_str()) {
+            return Err(ApiError::invalid(
+                format!(
+                    "a message's role is one of {}, not `{}`",
+                    ROLES.join(", "),
+                    self.role
+                ),
+                "messages",
+            ));
+        }
+        for field in UNSUPPORTED_IN_MESSAGES {
+            if self.other.get(*field).is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::invalid(
+                    format!("messages with {field} are not supported by this server"),
+                    "messages",
+                )
+                .code("unsupported_parameter"));
+            }
+        }
+        if self
+            .other
+            .get("name")
+            .is_some_and(|v| !v.is_string() && !v.is_null())
+        {
+            return Err(ApiError::invalid(
+                "a message's name must be a string",
+                "messages",
+            ));
+        }
         match &self.content {
             Value::String(s) => Ok(s.clone()),
             Value::Null => Ok(String::new()),
@@ -147,12 +185,80 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ),
 ];
 
+/// The shape of a documented field Duet reads no further.
+enum Shape {
+    Str,
+    Bool,
+    /// An object whose values are strings (`metadata`).
+    Strings,
+    OneOf(&'static [&'static str]),
+}
+
+/// Documented fields that change nothing here, and the shape the API gives each.
+const IGNORED: &[(&str, Shape)] = &[
+    ("user", Shape::Str),
+    ("safety_identifier", Shape::Str),
+    ("prompt_cache_key", Shape::Str),
+    ("store", Shape::Bool),
+    ("metadata", Shape::Strings),
+    (
+        "service_tier",
+        Shape::OneOf(&["auto", "default", "flex", "scale", "priority"]),
+    ),
+    ("verbosity", Shape::OneOf(&["low", "medium", "high"])),
+];
+
+/// The roles a chat message may have.
+pub const ROLES: &[&str] = &[
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
 impl Common {
-    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]).
+    /// Refuses a field Duet does not implement (see [`UNSUPPORTED`]) and a documented field it
+    /// ignores whose value has not the documented shape (see [`IGNORED`]).
     pub fn refuse_unsupported(&self) -> Result<(), ApiError> {
         for (field, why) in UNSUPPORTED {
             if self.other.get(*field).is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::invalid(*why, field).code("unsupported_parameter"));
+            }
+        }
+        for (field, shape) in IGNORED {
+            let Some(v) = self.other.get(*field).filter(|v| !v.is_null()) else {
+                continue;
+            };
+            let (ok, want) = match shape {
+                Shape::Str => (v.is_string(), "a string".to_string()),
+                Shape::Bool => (v.is_boolean(), "a boolean".to_string()),
+                Shape::Strings => (
+                    v.as_object()
+                        .is_some_and(|m| m.values().all(Value::is_string)),
+                    "an object of strings".to_string(),
+                ),
+                Shape::OneOf(names) => (
+                    v.as_str().is_some_and(|s| names.contains(&s)),
+                    format!("one of {}", names.join(", ")),
+                ),
+            };
+            if !ok {
+                return Err(ApiError::invalid(format!("{field} must be {want}"), field));
+            }
+        }
+        if let Some(o) = self.stream_options.as_ref().filter(|v| !v.is_null()) {
+            let flags_ok = o.as_object().is_some_and(|m| {
+                ["include_usage", "include_obfuscation"]
+                    .iter()
+                    .all(|k| m.get(*k).is_none_or(|v| v.is_boolean() || v.is_null()))
+            });
+            if !flags_ok {
+                return Err(ApiError::invalid(
+                    "stream_options must be an object whose include_usage is a boolean",
+                    "stream_options",
+                ));
             }
         }
         Ok(())
@@ -163,6 +269,16 @@ impl Common {
     /// `logprobs: N` (0 to 5, OpenAI's limit there).
     pub fn top_logprobs(&self, chat: bool) -> Result<usize, ApiError> {
         if chat {
+            if self
+                .logprobs
+                .as_ref()
+                .is_some_and(|v| !v.is_boolean() && !v.is_null())
+            {
+                return Err(ApiError::invalid(
+                    "logprobs must be a boolean in chat completions",
+                    "logprobs",
+                ));
+            }
             return match self.top_logprobs {
                 None | Some(0) => Ok(0),
                 Some(n) if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Err(ApiError::invalid(
