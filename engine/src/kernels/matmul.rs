@@ -307,21 +307,20 @@ pub fn rows_strided(
         use super::avx2;
         // SAFETY: the asserts above bound every row, token and output index the kernel
         // touches; `isa()` detected AVX2 and FMA.
+        // Many tokens: dequantize a panel of rows once, then sweep the tokens (same bits).
+        let many = tokens >= 8;
+        macro_rules! run {
+            ($B:ty) => {
+                if many {
+                    avx2::rows_many::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+                } else {
+                    avx2::rows::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+                }
+            };
+        }
         match w.ty {
-            Format::Q4_1Wide => {
-                return unsafe {
-                    avx2::rows::<avx2::Q4_1Wide>(
-                        w.bytes, w.cols, first, n, x, tokens, out, out_stride,
-                    )
-                };
-            }
-            Format::Q8_0Wide => {
-                return unsafe {
-                    avx2::rows::<avx2::Q8_0Wide>(
-                        w.bytes, w.cols, first, n, x, tokens, out, out_stride,
-                    )
-                };
-            }
+            Format::Q4_1Wide => return unsafe { run!(avx2::Q4_1Wide) },
+            Format::Q8_0Wide => return unsafe { run!(avx2::Q8_0Wide) },
             _ => {}
         }
     }
@@ -447,7 +446,8 @@ mod tests {
     #[test]
     fn the_dispatched_kernel_computes_the_portable_bits() {
         for ty in [TensorType::Q4_1, TensorType::Q8_0] {
-            let (rows, cols) = (13, 96);
+            // More rows than a many-token panel holds, and an odd count.
+            let (rows, cols) = (37, 96);
             let raw = quantize(ty, &random(rows * cols, 7));
             let (format, bytes) = repack(ty, &raw);
             let w = QRef {
@@ -456,9 +456,11 @@ mod tests {
                 cols,
                 bytes: &bytes,
             };
-            for tokens in 1..8 {
+            // Up to 7 tokens take the streaming tiles; from 8 the many-token kernels (every
+            // edge of their panels and token groups).
+            for tokens in (1..12).chain([16, 32, 35]) {
                 let x = random(tokens * cols, 8 + tokens as u64);
-                for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1)] {
+                for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1), (3, 33)] {
                     let mut got = vec![0f32; tokens * n];
                     rows_strided(w, &x, tokens, first, n, &mut got, n);
                     let mut want = vec![0f32; tokens * n];
