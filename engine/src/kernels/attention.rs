@@ -63,9 +63,57 @@ pub fn attend(
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx2 && shape.head_dim.is_multiple_of(16) {
+        let args = (pool, layer, shape, kv_heads, q, pos, pages);
+        match pool.layout().dtype {
+            duet_gpu::KvDtype::F16 => attend_avx2(args, out, scratch, |b| match b {
+                BlockView::F16(s) => Some(s),
+                BlockView::F32(_) => None,
+            }),
+            duet_gpu::KvDtype::F32 => attend_avx2(args, out, scratch, |b| match b {
+                BlockView::F32(s) => Some(s),
+                BlockView::F16(_) => None,
+            }),
+        }
+        return;
+    }
     crate::dispatch!(attend_kernel(
         pool, layer, shape, kv_heads, q, pos, pages, out, scratch
     ))
+}
+
+/// The AVX2 kernel (with F16C) over a pool whose blocks `view` turns into slices of `E`.
+#[cfg(target_arch = "x86_64")]
+fn attend_avx2<E: super::avx2::KvElem>(
+    (pool, layer, shape, kv_heads, q, pos, pages): AttendArgs<'_>,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+    view: for<'b> fn(BlockView<'b>) -> Option<&'b [E]>,
+) {
+    let layout = pool.layout();
+    let blocks = |i: usize, v: bool| {
+        view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
+    };
+    // SAFETY: the caller checked that head_dim is a multiple of 16; the engine checked that
+    // the page table covers `pos`; `kv_heads` is within the layout and `out` holds exactly
+    // their query heads; `view` matches the pool's dtype, so every block pointer is a whole
+    // `page_size * kv_dim` block; `isa()` detected AVX2, FMA and F16C.
+    unsafe {
+        super::avx2::attend(
+            &blocks,
+            layout.page_size,
+            layout.kv_dim(),
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.head_dim,
+            kv_heads,
+            q,
+            pos,
+            &mut scratch.scores,
+            out,
+        )
+    }
 }
 
 type AttendArgs<'a> = (
@@ -261,6 +309,14 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_naive_contiguous_attention() {
+        // Both KV element types: this machine's kernel (AVX-512, AVX2 or portable) gives the
+        // portable kernel's bits on each; f32 KV is also checked against the naive f64 sum.
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            paged_attention_case(dtype);
+        }
+    }
+
+    fn paged_attention_case(dtype: KvDtype) {
         let shape = AttnShape {
             n_heads: 6,
             n_kv_heads: 2,
@@ -271,7 +327,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 32,
             page_size: 4,
-            dtype: KvDtype::F32,
+            dtype,
         };
         let mut pool = KvPool::new(layout, 16).unwrap();
         // Scattered, out-of-order pages: the page table is what makes them one sequence.
@@ -318,10 +374,14 @@ mod tests {
             let (first, second) = split.split_at_mut(3 * 32);
             attend(&pool, 1, shape, 0..1, &q, pos, &pages, first, &mut scratch);
             attend(&pool, 1, shape, 1..2, &q, pos, &pages, second, &mut scratch);
-            assert_eq!(split, out);
-            assert_eq!(generic, out, "the portable kernel gives the same bits");
+            assert_eq!(split, out, "{dtype:?}");
+            assert_eq!(
+                generic, out,
+                "{dtype:?}: the portable kernel gives the same bits"
+            );
+            let tolerance = if dtype == KvDtype::F32 { 1e-5 } else { 1e-2 };
             for (a, b) in out.iter().zip(&expect) {
-                assert!((a - b).abs() < 1e-5, "pos {pos}: {a} vs {b}");
+                assert!((a - b).abs() < tolerance, "{dtype:?} pos {pos}: {a} vs {b}");
             }
         }
     }

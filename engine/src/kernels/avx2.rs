@@ -326,3 +326,129 @@ pub unsafe fn rows_many<B: Block>(
         }
     }
 }
+
+/// A KV element type the AVX2 attention reads, 8 at a time as f32.
+pub trait KvElem: Copy {
+    /// Loads 8 elements as f32.
+    ///
+    /// # Safety
+    /// `p` points at 8 readable elements; AVX2 and F16C are available.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+/// Attention of one token (the query heads of `kv_heads`) over positions `0..=pos`: the
+/// portable kernel's operations in its order (each score a 16-lane dot, lanes 0-7 and 8-15
+/// in two registers, then the fixed tree; softmax in position order; V accumulated by one
+/// fused multiply-add per element in position order), without its per-position copy of K
+/// and V into f32 scratch.
+///
+/// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
+///
+/// # Safety
+/// `head_dim` is a multiple of 16; every block holds `page_size * kv_dim` elements; `q`
+/// holds `n_heads * head_dim` and `out` the heads of `kv_heads`; AVX2, FMA and F16C are
+/// available.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend<E: KvElem>(
+    blocks: &dyn Fn(usize, bool) -> *const E,
+    page_size: usize,
+    kv_dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    kv_heads: std::ops::Range<usize>,
+    q: &[f32],
+    pos: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let group = n_heads / n_kv_heads;
+    let base = kv_heads.start * group;
+    let len = pos + 1;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    scores.resize(group * len, 0.0);
+    out.fill(0.0);
+    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
+    unsafe {
+        for g in kv_heads {
+            for hi in 0..group {
+                let qh = q.as_ptr().add((g * group + hi) * head_dim);
+                let mut j = 0;
+                while j < len {
+                    let page = j / page_size;
+                    let kb = blocks(page, false);
+                    let end = len.min((page + 1) * page_size);
+                    while j < end {
+                        let k = kb.add((j % page_size) * kv_dim + g * head_dim);
+                        let (mut lo, mut hi8) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                        let mut c = 0;
+                        while c < head_dim {
+                            lo =
+                                _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(c)), E::load8(k.add(c)), lo);
+                            hi8 = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(qh.add(c + 8)),
+                                E::load8(k.add(c + 8)),
+                                hi8,
+                            );
+                            c += 16;
+                        }
+                        *scores.get_unchecked_mut(hi * len + j) = hsum(lo, hi8) * scale;
+                        j += 1;
+                    }
+                }
+            }
+            let mut sums = vec![0f32; group];
+            for (hi, sum) in sums.iter_mut().enumerate() {
+                let s = &mut scores[hi * len..(hi + 1) * len];
+                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                for v in s.iter_mut() {
+                    *v = (*v - max).exp();
+                    *sum += *v;
+                }
+            }
+            for hi in 0..group {
+                let o = out.as_mut_ptr().add((g * group + hi - base) * head_dim);
+                let mut j = 0;
+                while j < len {
+                    let page = j / page_size;
+                    let vb = blocks(page, true);
+                    let end = len.min((page + 1) * page_size);
+                    while j < end {
+                        let v = vb.add((j % page_size) * kv_dim + g * head_dim);
+                        let p = _mm256_set1_ps(*scores.get_unchecked(hi * len + j));
+                        let mut c = 0;
+                        while c < head_dim {
+                            let acc = _mm256_loadu_ps(o.add(c));
+                            _mm256_storeu_ps(o.add(c), _mm256_fmadd_ps(p, E::load8(v.add(c)), acc));
+                            c += 8;
+                        }
+                        j += 1;
+                    }
+                }
+                let inv = _mm256_set1_ps(1.0 / sums[hi]);
+                let mut c = 0;
+                while c < head_dim {
+                    _mm256_storeu_ps(o.add(c), _mm256_mul_ps(_mm256_loadu_ps(o.add(c)), inv));
+                    c += 8;
+                }
+            }
+        }
+    }
+}
