@@ -38,7 +38,7 @@ fn main() {
         let mut e = Engine::new(
             model,
             EngineOptions {
-                kv_pages: 64,
+                kv_pages: 512,
                 threads: std::env::var("THREADS")
                     .ok()
                     .and_then(|t| t.parse().ok())
@@ -47,9 +47,14 @@ fn main() {
             },
         )
         .expect("engine");
+        // BATCH=32 profiles the batch-32 step instead.
+        let batch = std::env::var("BATCH")
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(1);
         println!(
-            "decode b1: {:.1} tok/s",
-            decode(&mut e, &prompt, 1, 32, 300)
+            "decode b{batch}: {:.1} tok/s",
+            decode(&mut e, &prompt, batch, 32, 300 / batch.max(1) * 4)
         );
         return;
     }

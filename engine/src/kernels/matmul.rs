@@ -445,9 +445,14 @@ mod tests {
     /// portable kernel's bits, for both repacked formats, every tile edge and token count.
     #[test]
     fn the_dispatched_kernel_computes_the_portable_bits() {
-        for ty in [TensorType::Q4_1, TensorType::Q8_0] {
-            // More rows than a many-token panel holds, and an odd count.
-            let (rows, cols) = (37, 96);
+        // An odd row count, more rows than a many-token panel holds; short rows and the
+        // model's longest (1,536).
+        for (ty, cols) in [
+            (TensorType::Q4_1, 96),
+            (TensorType::Q8_0, 96),
+            (TensorType::Q4_1, 1536),
+        ] {
+            let rows = 37;
             let raw = quantize(ty, &random(rows * cols, 7));
             let (format, bytes) = repack(ty, &raw);
             let w = QRef {
