@@ -64,7 +64,10 @@ pub fn attend(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2 && shape.head_dim.is_multiple_of(16) {
+    if super::isa() == super::Isa::Avx2
+        && shape.head_dim.is_multiple_of(16)
+        && shape.head_dim <= 256
+    {
         let args = (pool, layer, shape, kv_heads, q, pos, pages);
         match pool.layout().dtype {
             duet_gpu::KvDtype::F16 => attend_avx2(args, out, scratch, |b| match b {
@@ -95,7 +98,7 @@ fn attend_avx2<E: super::avx2::KvElem>(
     let blocks = |i: usize, v: bool| {
         view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
     };
-    // SAFETY: the caller checked that head_dim is a multiple of 16; the engine checked that
+    // SAFETY: the caller checked that head_dim is a multiple of 16 and at most 256; the engine checked that
     // the page table covers `pos`; `kv_heads` is within the layout and `out` holds exactly
     // their query heads; `view` matches the pool's dtype, so every block pointer is a whole
     // `page_size * kv_dim` block; `isa()` detected AVX2, FMA and F16C.

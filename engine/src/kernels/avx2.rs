@@ -355,15 +355,15 @@ impl KvElem for f32 {
 /// Attention of one token (the query heads of `kv_heads`) over positions `0..=pos`: the
 /// portable kernel's operations in its order (each score a 16-lane dot, lanes 0-7 and 8-15
 /// in two registers, then the fixed tree; softmax in position order; V accumulated by one
-/// fused multiply-add per element in position order), without its per-position copy of K
-/// and V into f32 scratch.
+/// fused multiply-add per element in position order), each K and V row read once for all
+/// the query heads of its group.
 ///
 /// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
 ///
 /// # Safety
-/// `head_dim` is a multiple of 16; every block holds `page_size * kv_dim` elements; `q`
-/// holds `n_heads * head_dim` and `out` the heads of `kv_heads`; AVX2, FMA and F16C are
-/// available.
+/// `head_dim` is a multiple of 16 and at most 256; every block holds `page_size * kv_dim`
+/// elements; `q` holds `n_heads * head_dim` and `out` the heads of `kv_heads`; AVX2, FMA and
+/// F16C are available.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn attend<E: KvElem>(
@@ -385,33 +385,47 @@ pub unsafe fn attend<E: KvElem>(
     let scale = 1.0 / (head_dim as f32).sqrt();
     scores.resize(group * len, 0.0);
     out.fill(0.0);
-    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
+    // One K or V row as f32: read (and widened) once per position for all the query heads
+    // of its group, not once per head.
+    let mut row = [0f32; 256];
+    // SAFETY: pointers stay inside the blocks, `q`, `scores`, `row` and `out` per the
+    // contract (head_dim <= 256).
     unsafe {
+        let rp = row.as_mut_ptr();
         for g in kv_heads {
-            for hi in 0..group {
-                let qh = q.as_ptr().add((g * group + hi) * head_dim);
-                let mut j = 0;
-                while j < len {
-                    let page = j / page_size;
-                    let kb = blocks(page, false);
-                    let end = len.min((page + 1) * page_size);
-                    while j < end {
-                        let k = kb.add((j % page_size) * kv_dim + g * head_dim);
+            let q0 = q.as_ptr().add(g * group * head_dim);
+            let mut j = 0;
+            while j < len {
+                let page = j / page_size;
+                let kb = blocks(page, false);
+                let end = len.min((page + 1) * page_size);
+                while j < end {
+                    let k = kb.add((j % page_size) * kv_dim + g * head_dim);
+                    let mut c = 0;
+                    while c < head_dim {
+                        _mm256_storeu_ps(rp.add(c), E::load8(k.add(c)));
+                        c += 8;
+                    }
+                    for hi in 0..group {
+                        let qh = q0.add(hi * head_dim);
                         let (mut lo, mut hi8) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                         let mut c = 0;
                         while c < head_dim {
-                            lo =
-                                _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(c)), E::load8(k.add(c)), lo);
+                            lo = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(qh.add(c)),
+                                _mm256_loadu_ps(rp.add(c)),
+                                lo,
+                            );
                             hi8 = _mm256_fmadd_ps(
                                 _mm256_loadu_ps(qh.add(c + 8)),
-                                E::load8(k.add(c + 8)),
+                                _mm256_loadu_ps(rp.add(c + 8)),
                                 hi8,
                             );
                             c += 16;
                         }
                         *scores.get_unchecked_mut(hi * len + j) = hsum(lo, hi8) * scale;
-                        j += 1;
                     }
+                    j += 1;
                 }
             }
             let mut sums = vec![0f32; group];
@@ -423,25 +437,37 @@ pub unsafe fn attend<E: KvElem>(
                     *sum += *v;
                 }
             }
-            for hi in 0..group {
-                let o = out.as_mut_ptr().add((g * group + hi - base) * head_dim);
-                let mut j = 0;
-                while j < len {
-                    let page = j / page_size;
-                    let vb = blocks(page, true);
-                    let end = len.min((page + 1) * page_size);
-                    while j < end {
-                        let v = vb.add((j % page_size) * kv_dim + g * head_dim);
+            let o0 = out.as_mut_ptr().add((g * group - base) * head_dim);
+            let mut j = 0;
+            while j < len {
+                let page = j / page_size;
+                let vb = blocks(page, true);
+                let end = len.min((page + 1) * page_size);
+                while j < end {
+                    let v = vb.add((j % page_size) * kv_dim + g * head_dim);
+                    let mut c = 0;
+                    while c < head_dim {
+                        _mm256_storeu_ps(rp.add(c), E::load8(v.add(c)));
+                        c += 8;
+                    }
+                    for hi in 0..group {
+                        let o = o0.add(hi * head_dim);
                         let p = _mm256_set1_ps(*scores.get_unchecked(hi * len + j));
                         let mut c = 0;
                         while c < head_dim {
                             let acc = _mm256_loadu_ps(o.add(c));
-                            _mm256_storeu_ps(o.add(c), _mm256_fmadd_ps(p, E::load8(v.add(c)), acc));
+                            _mm256_storeu_ps(
+                                o.add(c),
+                                _mm256_fmadd_ps(p, _mm256_loadu_ps(rp.add(c)), acc),
+                            );
                             c += 8;
                         }
-                        j += 1;
                     }
+                    j += 1;
                 }
+            }
+            for hi in 0..group {
+                let o = o0.add(hi * head_dim);
                 let inv = _mm256_set1_ps(1.0 / sums[hi]);
                 let mut c = 0;
                 while c < head_dim {
