@@ -41,6 +41,12 @@ async fn the_interference_experiment_writes_every_field() {
         assert!(m["long_prompts"].as_u64() >= Some(1), "{mode}: {m}");
         assert!(m["throughput_tok_s"].as_f64() > Some(0.0), "{mode}: {m}");
     }
+    // The disaggregated TTFT's floor: the long prompt's prefill alone, and the ratio to it.
+    assert!(v["prefill_alone_ms"].as_f64() > Some(0.0), "{v}");
+    assert!(
+        v["ratios"]["ttft_p50_disaggregated_over_prefill_alone"].as_f64() > Some(0.0),
+        "{v}"
+    );
     for png in ["itl_histogram.png", "itl_over_time.png", "ttft_cdf.png"] {
         let bytes = std::fs::read(plots.join(png)).expect(png);
         assert!(bytes.starts_with(b"\x89PNG"), "{png} is not a PNG");
