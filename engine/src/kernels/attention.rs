@@ -6,7 +6,7 @@
 //! tokens share the step, so a token computes the same bits in a prefill chunk of any size and
 //! in a decode batch.
 
-use duet_gpu::{BlockView, KvPool, PageId};
+use duet_gpu::{BlockView, KvDtype, KvPool, PageId};
 use half::slice::HalfFloatSliceExt;
 
 use super::{LANES, dot};
@@ -45,78 +45,31 @@ pub fn attend(
     scratch: &mut AttnScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512
-        && shape.head_dim.is_multiple_of(16)
-        && shape.head_dim <= 256
-        && shape.n_heads / shape.n_kv_heads <= 64
     {
-        let args = (pool, layer, shape, kv_heads, q, pos, pages);
-        match pool.layout().dtype {
-            duet_gpu::KvDtype::F16 => attend_avx512(args, out, scratch, |b| match b {
-                BlockView::F16(s) => Some(s),
-                BlockView::F32(_) => None,
-            }),
-            duet_gpu::KvDtype::F32 => attend_avx512(args, out, scratch, |b| match b {
-                BlockView::F32(s) => Some(s),
-                BlockView::F16(_) => None,
-            }),
+        use super::{Isa, avx2, avx512};
+        let fits = shape.head_dim.is_multiple_of(16) && shape.head_dim <= 256;
+        let args = (pool, layer, shape, kv_heads.clone(), q, pos, pages);
+        // SAFETY (of each kernel passed): `isa()` detected its instruction set (AVX-512F and
+        // F16C; AVX2, FMA and F16C); `fits` and the group bound are its shape conditions.
+        match (super::isa(), pool.layout().dtype) {
+            (Isa::Avx512, KvDtype::F16) if fits && shape.n_heads / shape.n_kv_heads <= 64 => {
+                return attend_simd(args, out, scratch, f16_blocks, avx512::attend);
+            }
+            (Isa::Avx512, KvDtype::F32) if fits && shape.n_heads / shape.n_kv_heads <= 64 => {
+                return attend_simd(args, out, scratch, f32_blocks, avx512::attend);
+            }
+            (Isa::Avx2, KvDtype::F16) if fits => {
+                return attend_simd(args, out, scratch, f16_blocks, avx2::attend);
+            }
+            (Isa::Avx2, KvDtype::F32) if fits => {
+                return attend_simd(args, out, scratch, f32_blocks, avx2::attend);
+            }
+            _ => {}
         }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2
-        && shape.head_dim.is_multiple_of(16)
-        && shape.head_dim <= 256
-    {
-        let args = (pool, layer, shape, kv_heads, q, pos, pages);
-        match pool.layout().dtype {
-            duet_gpu::KvDtype::F16 => attend_avx2(args, out, scratch, |b| match b {
-                BlockView::F16(s) => Some(s),
-                BlockView::F32(_) => None,
-            }),
-            duet_gpu::KvDtype::F32 => attend_avx2(args, out, scratch, |b| match b {
-                BlockView::F32(s) => Some(s),
-                BlockView::F16(_) => None,
-            }),
-        }
-        return;
     }
     crate::dispatch!(attend_kernel(
         pool, layer, shape, kv_heads, q, pos, pages, out, scratch
     ))
-}
-
-/// The AVX2 kernel (with F16C) over a pool whose blocks `view` turns into slices of `E`.
-#[cfg(target_arch = "x86_64")]
-fn attend_avx2<E: super::avx2::KvElem>(
-    (pool, layer, shape, kv_heads, q, pos, pages): AttendArgs<'_>,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
-    view: for<'b> fn(BlockView<'b>) -> Option<&'b [E]>,
-) {
-    let layout = pool.layout();
-    let blocks = |i: usize, v: bool| {
-        view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
-    };
-    // SAFETY: the caller checked that head_dim is a multiple of 16 and at most 256; the engine checked that
-    // the page table covers `pos`; `kv_heads` is within the layout and `out` holds exactly
-    // their query heads; `view` matches the pool's dtype, so every block pointer is a whole
-    // `page_size * kv_dim` block; `isa()` detected AVX2, FMA and F16C.
-    unsafe {
-        super::avx2::attend(
-            &blocks,
-            layout.page_size,
-            layout.kv_dim(),
-            shape.n_heads,
-            shape.n_kv_heads,
-            shape.head_dim,
-            kv_heads,
-            q,
-            pos,
-            &mut scratch.scores,
-            out,
-        )
-    }
 }
 
 type AttendArgs<'a> = (
@@ -129,25 +82,56 @@ type AttendArgs<'a> = (
     &'a [PageId],
 );
 
-/// The AVX-512 kernel over a pool whose blocks `view` turns into slices of `E`.
+fn f16_blocks(b: BlockView<'_>) -> Option<&[half::f16]> {
+    match b {
+        BlockView::F16(s) => Some(s),
+        BlockView::F32(_) => None,
+    }
+}
+
+fn f32_blocks(b: BlockView<'_>) -> Option<&[f32]> {
+    match b {
+        BlockView::F32(s) => Some(s),
+        BlockView::F16(_) => None,
+    }
+}
+
+/// A SIMD attention kernel (`avx512::attend`, `avx2::attend`) over elements `E`.
 #[cfg(target_arch = "x86_64")]
-fn attend_avx512<E: super::avx512::KvElem>(
+type SimdKernel<E> = unsafe fn(
+    &dyn Fn(usize, bool) -> *const E,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    std::ops::Range<usize>,
+    &[f32],
+    usize,
+    &mut Vec<f32>,
+    &mut [f32],
+);
+
+/// Runs `kernel` over a pool whose blocks `view` turns into slices of `E`.
+#[cfg(target_arch = "x86_64")]
+fn attend_simd<E>(
     (pool, layer, shape, kv_heads, q, pos, pages): AttendArgs<'_>,
     out: &mut [f32],
     scratch: &mut AttnScratch,
     view: for<'b> fn(BlockView<'b>) -> Option<&'b [E]>,
+    kernel: SimdKernel<E>,
 ) {
     let layout = pool.layout();
     let blocks = |i: usize, v: bool| {
         view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
     };
-    // SAFETY: the caller checked that head_dim is a multiple of 16 and at most 256 and the
-    // group at most 64; the engine checked that the page table covers `pos`; `kv_heads` is
-    // within the layout and `out` holds exactly their query heads; `view` matches the pool's
-    // dtype, so every block pointer is a whole `page_size * kv_dim` block; `isa()` detected
-    // AVX-512F and F16C.
+    // SAFETY: the caller chose `kernel` for the instruction set `isa()` detected and checked
+    // its shape conditions (head_dim a multiple of 16 and at most 256, the group bound); the
+    // engine checked that the page table covers `pos`; `kv_heads` is within the layout and
+    // `out` holds exactly their query heads; `view` matches the pool's dtype, so every block
+    // pointer is a whole `page_size * kv_dim` block.
     unsafe {
-        super::avx512::attend(
+        kernel(
             &blocks,
             layout.page_size,
             layout.kv_dim(),
