@@ -356,8 +356,7 @@ async fn top_logprobs_are_the_engines(c: &ClusterDir, http: u16, model: &str) {
     let ids: Vec<u32> = (0..24).map(|i| 30 + 7 * i).collect();
     let csv: Vec<String> = ids.iter().map(u32::to_string).collect();
     let model_file = c.dir.path().join("tiny.gguf");
-    let out = duet(&[
-        "generate",
+    let reference = generate_json(&[
         "--model",
         path_str(&model_file),
         "--prompt-ids",
@@ -367,13 +366,8 @@ async fn top_logprobs_are_the_engines(c: &ClusterDir, http: u16, model: &str) {
         "--ignore-eos",
         "--top-logprobs",
         &N.to_string(),
-        "--threads",
-        "1",
-        "--json",
     ])
     .await;
-    assert!(out.status.success(), "{}", out.stderr);
-    let reference: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
     let expect: Vec<Vec<(u32, f64)>> = reference["top_logprobs"]
         .as_array()
         .expect("top_logprobs")
@@ -419,8 +413,7 @@ async fn top_logprobs_are_the_engines(c: &ClusterDir, http: u16, model: &str) {
             assert!(close(chosen_lps[i], pos[0].1), "{what} token {i}");
         }
     };
-    let prompt_text: Vec<u32> = ids.clone();
-    let base = json!({"model": model, "prompt": prompt_text, "max_tokens": TOKENS,
+    let base = json!({"model": model, "prompt": ids, "max_tokens": TOKENS,
                       "temperature": 0, "ignore_eos": true, "duet_pair": "p0,d0"});
     // Completions: logprobs N, whole and streamed.
     let mut legacy = base.clone();

@@ -41,8 +41,7 @@
 //! worker that restarts reports a new incarnation; the router fails what the old one held
 //! (and retries a request that had produced no token on another worker).
 
-use duet_engine::sampling::SamplerState;
-use duet_engine::sampling::TopLogprobs;
+use duet_engine::sampling::{SamplerState, TopLogprobs};
 use duet_engine::scheduler::Resume;
 use duet_engine::{FinishReason, SamplingParams};
 use duet_gpu::{KvLayout, PageId};
@@ -50,6 +49,9 @@ use duet_transport::{Backend, Endpoint, WriteGrant};
 use serde::{Deserialize, Serialize};
 
 pub use crate::error::{ErrorCode, ServingError};
+
+mod load;
+pub use load::{LoadReport, WorkerKind};
 
 /// Service name of the worker on decode nodes.
 pub const WORKER_SERVICE: &str = "worker";
@@ -482,92 +484,6 @@ pub struct TokenBatch {
     pub incarnation: u64,
     /// The items.
     pub items: Vec<TokenItem>,
-}
-
-impl LoadReport {
-    /// An idle worker's report.
-    pub fn idle(
-        worker: String,
-        kind: WorkerKind,
-        layout: LayoutInfo,
-        incarnation: u64,
-        total_pages: usize,
-    ) -> LoadReport {
-        LoadReport {
-            worker,
-            kind,
-            layout,
-            bootstrap_queue: 0,
-            incarnation,
-            queued_tokens: 0,
-            waiting: 0,
-            running: 0,
-            free_pages: total_pages,
-            total_pages,
-            pinned_pages: 0,
-            cached_pages: 0,
-            quarantined_pages: 0,
-            in_flight: 0,
-            draining: false,
-        }
-    }
-}
-
-/// Which half of the pair a worker is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerKind {
-    /// Computes prompts, streams KV.
-    Prefill,
-    /// Decodes (and prefills short or cached prompts itself).
-    Decode,
-}
-
-impl WorkerKind {
-    /// `prefill` or `decode` (metric labels).
-    pub fn name(self) -> &'static str {
-        match self {
-            WorkerKind::Prefill => "prefill",
-            WorkerKind::Decode => "decode",
-        }
-    }
-}
-
-/// A worker's load, for routing.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoadReport {
-    /// The worker's node.
-    pub worker: String,
-    /// Prefill or decode.
-    pub kind: WorkerKind,
-    /// Its KV layout (the router pairs only equal ones).
-    pub layout: LayoutInfo,
-    /// Requests in P's bootstrap queue (waiting for D's pages).
-    pub bootstrap_queue: usize,
-    /// Its incarnation.
-    pub incarnation: u64,
-    /// Prompt tokens queued and not yet computed.
-    pub queued_tokens: usize,
-    /// Sequences waiting and running.
-    pub waiting: usize,
-    /// Sequences running.
-    pub running: usize,
-    /// Requests the worker holds in any state (what a graceful drain waits for).
-    #[serde(default)]
-    pub in_flight: usize,
-    /// The node is draining: route nothing new to it.
-    #[serde(default)]
-    pub draining: bool,
-    /// Free KV pages.
-    pub free_pages: usize,
-    /// All KV pages.
-    pub total_pages: usize,
-    /// Pages with a pin (transfers in flight).
-    pub pinned_pages: usize,
-    /// Pages held only by the prefix cache (reclaimable at once).
-    pub cached_pages: usize,
-    /// Pages of aborted transfers not yet proven drained.
-    pub quarantined_pages: usize,
 }
 
 #[cfg(test)]

@@ -216,16 +216,18 @@ impl Sampler {
     /// `banned` tokens (EOS before `min_tokens`) are never chosen. The logprob reported is
     /// under the raw logits, as OpenAI's are.
     pub fn sample(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> Sampled {
-        let (token, logprob) = self.choose(logits, banned, generated);
+        let token = self.choose(logits, banned, generated);
+        // One pass for the normalizer, shared by the chosen token and its alternatives.
+        let norm = LogSoftmax::of(logits);
         Sampled {
             token,
-            logprob,
-            top: top_logprobs(logits, self.params.top_logprobs),
+            logprob: norm.at(logits, token as usize),
+            top: norm.top(logits, self.params.top_logprobs),
         }
     }
 
-    /// The chosen token and its raw log-probability.
-    fn choose(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> (u32, f32) {
+    /// The chosen token.
+    fn choose(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> u32 {
         let raw = logits;
         let penalized;
         let logits = if !self.params.penalties.is_off() {
@@ -234,11 +236,9 @@ impl Sampler {
         } else {
             raw
         };
-        let logprob_of = |token: u32| log_softmax_at(raw, token as usize);
         let allowed = |i: usize| banned != Some(i as u32);
         if self.params.temperature <= 0.0 {
-            let token = argmax(logits, allowed);
-            return (token, logprob_of(token));
+            return argmax(logits, allowed);
         }
         let inv_t = 1.0 / self.params.temperature;
         let mut cands: Vec<(usize, f32)> = logits
@@ -248,8 +248,7 @@ impl Sampler {
             .map(|(i, l)| (i, l * inv_t))
             .collect();
         if cands.is_empty() {
-            let token = argmax(logits, |_| true);
-            return (token, logprob_of(token));
+            return argmax(logits, |_| true);
         }
         // Most likely first; ties by lower id so the order is deterministic.
         cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -284,39 +283,60 @@ impl Sampler {
             }
             r -= p;
         }
-        (chosen as u32, logprob_of(chosen as u32))
+        chosen as u32
     }
 }
 
-/// The `n` likeliest tokens of `logits` and their log-softmax, likeliest first, ties by lower
-/// id (as OpenAI reports them: the model's raw distribution, before penalties, temperature
-/// and truncation). One pass over the vocabulary keeping the best `n`; NaN never counts.
-pub fn top_logprobs(logits: &[f32], n: usize) -> TopLogprobs {
-    if n == 0 {
-        return Vec::new();
-    }
-    let n = n.min(MAX_TOP_LOGPROBS);
-    // Kept sorted, best first; n is at most 20, so insertion beats a heap.
-    let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() || (best.len() == n && l <= best[n - 1].1) {
-            continue;
+/// The log-softmax of one row of logits, computed stably in f64: its maximum and the log of
+/// its normalizer, found in one pass, then any entry in O(1).
+#[derive(Debug, Clone, Copy)]
+pub struct LogSoftmax {
+    max: f32,
+    log_sum: f64,
+}
+
+impl LogSoftmax {
+    /// The normalizer of `logits`.
+    pub fn of(logits: &[f32]) -> LogSoftmax {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
+        LogSoftmax {
+            max,
+            log_sum: sum.ln(),
         }
-        let at = best.partition_point(|&(_, b)| b >= l);
-        best.insert(at, (i as u32, l));
-        best.truncate(n);
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // The same sum, in the same order, as `log_softmax_at`: the chosen token's logprob and
-    // its entry here are bit-identical.
-    let log_sum = logits
-        .iter()
-        .map(|l| f64::from(l - max).exp())
-        .sum::<f64>()
-        .ln();
-    best.into_iter()
-        .map(|(t, l)| (t, (f64::from(l - max) - log_sum) as f32))
-        .collect()
+
+    /// `log softmax(logits)[i]` (`logits` the row this was made of).
+    pub fn at(&self, logits: &[f32], i: usize) -> f32 {
+        self.of_logit(logits[i])
+    }
+
+    fn of_logit(&self, l: f32) -> f32 {
+        (f64::from(l - self.max) - self.log_sum) as f32
+    }
+
+    /// The `n` likeliest tokens of `logits` and their log-softmax, likeliest first, ties by
+    /// lower id (as OpenAI reports them: the model's raw distribution, before penalties,
+    /// temperature and truncation). One pass keeping the best `n`; NaN never counts.
+    pub fn top(&self, logits: &[f32], n: usize) -> TopLogprobs {
+        if n == 0 {
+            return Vec::new();
+        }
+        let n = n.min(MAX_TOP_LOGPROBS);
+        // Kept sorted, best first; n is at most 20, so insertion beats a heap.
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+        for (i, &l) in logits.iter().enumerate() {
+            if l.is_nan() || (best.len() == n && l <= best[n - 1].1) {
+                continue;
+            }
+            let at = best.partition_point(|&(_, b)| b >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(n);
+        }
+        best.into_iter()
+            .map(|(t, l)| (t, self.of_logit(l)))
+            .collect()
+    }
 }
 
 fn argmax(logits: &[f32], allowed: impl Fn(usize) -> bool) -> u32 {
@@ -331,9 +351,12 @@ fn argmax(logits: &[f32], allowed: impl Fn(usize) -> bool) -> u32 {
 
 /// `log softmax(logits)[i]`, computed stably in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|l| f64::from(l - max).exp()).sum();
-    (f64::from(logits[i] - max) - sum.ln()) as f32
+    LogSoftmax::of(logits).at(logits, i)
+}
+
+/// The `n` likeliest tokens of `logits` and their log-softmax (see [`LogSoftmax::top`]).
+pub fn top_logprobs(logits: &[f32], n: usize) -> TopLogprobs {
+    LogSoftmax::of(logits).top(logits, n)
 }
 
 /// Where in `text` generation should stop, if a stop string appears: the byte index where the

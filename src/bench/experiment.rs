@@ -238,14 +238,7 @@ async fn prefill_alone(p: &Params) -> Result<f64, String> {
         .collect();
     let mut times = Vec::new();
     for _ in 0..3 {
-        let mut cmd = if which("taskset") {
-            let mut c = tokio::process::Command::new("taskset");
-            c.args(["-c", "0"]).arg(&exe);
-            c
-        } else {
-            tokio::process::Command::new(&exe)
-        };
-        let out = cmd
+        let out = pinned(&exe, Some(0))
             .args([
                 "generate",
                 "--model",
@@ -452,15 +445,7 @@ impl Cluster {
         let mut all: Vec<(&str, Option<usize>)> = vec![("router", None)];
         all.extend(workers.iter().map(|(n, _, _, cpu)| (*n, *cpu)));
         for (name, cpu) in all {
-            let taskset = cpu.is_some() && which("taskset");
-            let mut cmd = if taskset {
-                let mut c = tokio::process::Command::new("taskset");
-                c.arg("-c").arg(cpu.unwrap_or(0).to_string()).arg(&exe);
-                c
-            } else {
-                tokio::process::Command::new(&exe)
-            };
-            let mut child = cmd
+            let mut child = pinned(&exe, cpu)
                 .args(["node", "--config"])
                 .arg(&config)
                 .args(["--name", name])
@@ -532,6 +517,18 @@ impl Cluster {
                 let _ = n.kill().await;
             }
         }
+    }
+}
+
+/// A command running `exe`, on core `cpu` when one is given and `taskset` is installed.
+fn pinned(exe: &Path, cpu: Option<usize>) -> tokio::process::Command {
+    match cpu.filter(|_| which("taskset")) {
+        Some(cpu) => {
+            let mut c = tokio::process::Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(exe);
+            c
+        }
+        None => tokio::process::Command::new(exe),
     }
 }
 

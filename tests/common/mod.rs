@@ -581,22 +581,27 @@ pub async fn assert_quiet(c: &ClusterDir, nodes: &[&str]) {
     }
 }
 
-/// What `duet generate` (the engine alone, in its own process) answers, greedily.
+/// What `duet generate` (the engine alone, in its own process, one thread, greedy) answers
+/// with `args`: its `--json` object.
+pub async fn generate_json(args: &[&str]) -> Value {
+    let mut all = vec!["generate"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--threads", "1", "--json"]);
+    let out = duet(&all).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    serde_json::from_str(out.stdout.trim()).expect("generate --json")
+}
+
+/// What `duet generate` answers, greedily, to `prompt`.
 pub async fn generate_reference(prompt: &str, max_tokens: usize) -> String {
-    let out = duet(&[
-        "generate",
+    let v = generate_json(&[
         "--prompt",
         prompt,
         "--max-tokens",
         &max_tokens.to_string(),
         "--ignore-eos",
-        "--threads",
-        "1",
-        "--json",
     ])
     .await;
-    assert!(out.status.success(), "{}", out.stderr);
-    let v: Value = serde_json::from_str(out.stdout.trim()).expect("generate --json");
     v["text"].as_str().expect("text").to_string()
 }
 

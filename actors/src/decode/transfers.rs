@@ -375,7 +375,7 @@ impl DecodeCore {
         let first = Sampled {
             token: d.token,
             logprob: d.logprob,
-            top: d.top.clone(),
+            top: d.top,
         };
         let tok = &self.runner.engine.model.tokenizer;
         match self.runner.scheduler.admit_transferred(

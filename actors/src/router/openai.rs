@@ -194,6 +194,32 @@ enum Shape {
     OneOf(&'static [&'static str]),
 }
 
+impl Shape {
+    fn admits(&self, v: &Value) -> bool {
+        match self {
+            Shape::Str => v.is_string(),
+            Shape::Bool => v.is_boolean(),
+            Shape::Strings => v
+                .as_object()
+                .is_some_and(|m| m.values().all(Value::is_string)),
+            Shape::OneOf(names) => v.as_str().is_some_and(|s| names.contains(&s)),
+        }
+    }
+
+    /// What a value of this shape is, for the error.
+    fn describe(&self) -> String {
+        match self {
+            Shape::Str => "a string".into(),
+            Shape::Bool => "a boolean".into(),
+            Shape::Strings => "an object of strings".into(),
+            Shape::OneOf(names) => format!("one of {}", names.join(", ")),
+        }
+    }
+}
+
+/// The most alternatives the legacy completions API gives per token (`logprobs: N`).
+const MAX_LEGACY_LOGPROBS: i64 = 5;
+
 /// Documented fields that change nothing here, and the shape the API gives each.
 const IGNORED: &[(&str, Shape)] = &[
     ("user", Shape::Str),
@@ -228,23 +254,10 @@ impl Common {
             }
         }
         for (field, shape) in IGNORED {
-            let Some(v) = self.other.get(*field).filter(|v| !v.is_null()) else {
-                continue;
-            };
-            let (ok, want) = match shape {
-                Shape::Str => (v.is_string(), "a string".to_string()),
-                Shape::Bool => (v.is_boolean(), "a boolean".to_string()),
-                Shape::Strings => (
-                    v.as_object()
-                        .is_some_and(|m| m.values().all(Value::is_string)),
-                    "an object of strings".to_string(),
-                ),
-                Shape::OneOf(names) => (
-                    v.as_str().is_some_and(|s| names.contains(&s)),
-                    format!("one of {}", names.join(", ")),
-                ),
-            };
-            if !ok {
+            if let Some(v) = self.other.get(*field).filter(|v| !v.is_null())
+                && !shape.admits(v)
+            {
+                let want = shape.describe();
                 return Err(ApiError::invalid(format!("{field} must be {want}"), field));
             }
         }
@@ -265,8 +278,8 @@ impl Common {
     }
 
     /// How many of the likeliest alternatives to report per token: chat's `top_logprobs`
-    /// (0 to 20, with `logprobs: true`, as OpenAI requires), the legacy completions'
-    /// `logprobs: N` (0 to 5, OpenAI's limit there).
+    /// (0 to [`MAX_TOP_LOGPROBS`], with `logprobs: true`, as OpenAI requires), the legacy
+    /// completions' `logprobs: N` (0 to [`MAX_LEGACY_LOGPROBS`], OpenAI's limit there).
     pub fn top_logprobs(&self, chat: bool) -> Result<usize, ApiError> {
         if chat {
             if self
@@ -294,15 +307,17 @@ impl Common {
         }
         if self.top_logprobs.is_some_and(|n| n != 0) {
             return Err(ApiError::invalid(
-                "the completions API asks for alternatives with logprobs: N (0 to 5)",
+                format!(
+                    "the completions API asks for alternatives with logprobs: N (0 to {MAX_LEGACY_LOGPROBS})"
+                ),
                 "top_logprobs",
             ));
         }
         match &self.logprobs {
             Some(Value::Number(n)) => match n.as_i64() {
-                Some(n @ 0..=5) => Ok(n as usize),
+                Some(n) if (0..=MAX_LEGACY_LOGPROBS).contains(&n) => Ok(n as usize),
                 _ => Err(ApiError::invalid(
-                    "logprobs must be an integer between 0 and 5",
+                    format!("logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}"),
                     "logprobs",
                 )),
             },

@@ -279,49 +279,41 @@ pub fn rows_strided(
     assert!(first + n <= w.rows && x.len() >= tokens * w.cols);
     assert!(out_stride >= n && out.len() >= (tokens - 1) * out_stride + n);
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 && w.cols.is_multiple_of(BLOCK) {
-        use super::avx512;
-        // SAFETY: the asserts above bound every row, token and output index the kernel
-        // touches; `isa()` detected AVX-512F and F16C.
-        // Many tokens: dequantize each tile once, then sweep the tokens (same bits).
-        let many = tokens >= 8;
-        macro_rules! run {
-            ($B:ty) => {
-                if many {
-                    avx512::rows_many::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
-                } else {
-                    avx512::rows::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
-                }
-            };
-        }
-        match w.ty {
-            Format::Q4_1Wide => return unsafe { run!(avx512::Q4_1Wide) },
-            Format::Q8_0Wide => return unsafe { run!(avx512::Q8_0Wide) },
-            _ => {}
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx2NoF16c)
-        && w.cols.is_multiple_of(BLOCK)
     {
-        use super::avx2;
-        // SAFETY: the asserts above bound every row, token and output index the kernel
-        // touches; `isa()` detected AVX2 and FMA.
-        // Many tokens: dequantize a panel of rows once, then sweep the tokens (same bits).
+        // Many tokens: dequantize each tile (AVX-512) or panel of rows (AVX2) once, then sweep
+        // the tokens; few: stream the weights past the tokens. Same bits either way.
         let many = tokens >= 8;
-        macro_rules! run {
-            ($B:ty) => {
-                if many {
-                    avx2::rows_many::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
-                } else {
-                    avx2::rows::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+        // `$simd::rows` or `$simd::rows_many` over the repacked formats; falls through for others.
+        macro_rules! simd {
+            ($simd:ident) => {{
+                use super::$simd;
+                macro_rules! run {
+                    ($B:ty) => {
+                        if many {
+                            $simd::rows_many::<$B>(
+                                w.bytes, w.cols, first, n, x, tokens, out, out_stride,
+                            )
+                        } else {
+                            $simd::rows::<$B>(w.bytes, w.cols, first, n, x, tokens, out, out_stride)
+                        }
+                    };
                 }
-            };
+                // SAFETY: the asserts above bound every row, token and output index the kernel
+                // touches; the caller checked that `isa()` detected the kernel's instruction set
+                // (AVX-512F and F16C; AVX2 and FMA).
+                match w.ty {
+                    Format::Q4_1Wide => return unsafe { run!($simd::Q4_1Wide) },
+                    Format::Q8_0Wide => return unsafe { run!($simd::Q8_0Wide) },
+                    _ => {}
+                }
+            }};
         }
-        match w.ty {
-            Format::Q4_1Wide => return unsafe { run!(avx2::Q4_1Wide) },
-            Format::Q8_0Wide => return unsafe { run!(avx2::Q8_0Wide) },
-            _ => {}
+        if w.cols.is_multiple_of(BLOCK) {
+            match super::isa() {
+                super::Isa::Avx512 => simd!(avx512),
+                super::Isa::Avx2 | super::Isa::Avx2NoF16c => simd!(avx2),
+                super::Isa::Portable => {}
+            }
         }
     }
     crate::dispatch!(rows_kernel(w, x, tokens, first, n, out, out_stride))
