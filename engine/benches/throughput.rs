@@ -27,6 +27,14 @@ fn main() {
         None => vec![1, 2],
     };
     let quick = args.iter().any(|a| a == "--quick");
+    if args.iter().any(|a| a == "--attention") {
+        // The attention kernel alone, long enough to profile (`ATTN_CTX` sets the context).
+        let model = Model::open(&path).expect("model");
+        for _ in 0..10 {
+            attention_kernel(&model);
+        }
+        return;
+    }
     if args.iter().any(|a| a == "--kernels") {
         kernels(&path);
         return;
@@ -34,7 +42,7 @@ fn main() {
     let as_json = args.iter().any(|a| a == "--json");
     if args.iter().any(|a| a == "--decode-profile") {
         let model = Model::open(&path).expect("model");
-        let prompt = model.tokenizer.encode(&"The quick brown fox. ".repeat(20));
+        let prompt = model.tokenizer.encode(&"The quick brown fox. ".repeat(120));
         let mut e = Engine::new(
             model,
             EngineOptions {
@@ -47,14 +55,17 @@ fn main() {
             },
         )
         .expect("engine");
-        // BATCH=32 profiles the batch-32 step instead.
-        let batch = std::env::var("BATCH")
-            .ok()
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(1);
+        // BATCH=32 profiles the batch-32 step instead; CTX=448 decodes after a long context.
+        let env = |name: &str, default: usize| {
+            std::env::var(name)
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(default)
+        };
+        let (batch, ctx) = (env("BATCH", 1), env("CTX", 32));
         println!(
-            "decode b{batch}: {:.1} tok/s",
-            decode(&mut e, &prompt, batch, 32, 300 / batch.max(1) * 4)
+            "decode b{batch} ctx {ctx}: {:.1} tok/s",
+            decode(&mut e, &prompt, batch, ctx, 300 / batch.max(1) * 4)
         );
         return;
     }
@@ -309,6 +320,7 @@ fn kernels(path: &std::path::Path) {
             );
         }
     }
+    attention_kernel(&model);
     let head = model.lm_head();
     let x = vec![0.5f32; head.cols];
     let mut out = vec![0f32; head.rows];
@@ -319,5 +331,67 @@ fn kernels(path: &std::path::Path) {
     println!(
         "  lm_head 1 token: {:.1} us",
         start.elapsed().as_secs_f64() / 50.0 * 1e6
+    );
+}
+
+/// One decode token's attention over every layer at a 480-token context (f16 KV, the model's
+/// heads), alone: its time per position and KV head, and the KV bytes it reads per second.
+fn attention_kernel(model: &Model) {
+    use duet_engine::kernels::attention::{AttnScratch, AttnShape, attend};
+    let c = model.config;
+    let layout = duet_gpu::KvLayout {
+        n_layers: c.n_layers,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        page_size: 16,
+        dtype: KvDtype::F16,
+    };
+    let ctx = std::env::var("ATTN_CTX")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(480);
+    let n_pages = layout.pages_for(ctx);
+    let mut pool = duet_gpu::KvPool::new(layout, n_pages).expect("pool");
+    // Backwards: a sequence's pages are not in order in a real pool.
+    let pages: Vec<u32> = (0..n_pages as u32).rev().collect();
+    let row: Vec<f32> = (0..layout.kv_dim()).map(|i| (i % 7) as f32 * 0.1).collect();
+    for layer in 0..c.n_layers {
+        for j in 0..ctx {
+            pool.write_token(pages[j / 16], layer, j % 16, &row, &row);
+        }
+    }
+    let shape = AttnShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let q = vec![0.01f32; c.n_heads * c.head_dim];
+    let mut out = vec![0f32; c.n_heads * c.head_dim];
+    let mut scratch = AttnScratch::default();
+    let reps = (9600 / ctx).max(4);
+    let start = Instant::now();
+    for _ in 0..reps {
+        for layer in 0..c.n_layers {
+            attend(
+                &pool,
+                layer,
+                shape,
+                0..c.n_kv_heads,
+                &q,
+                ctx - 1,
+                &pages,
+                &mut out,
+                &mut scratch,
+            );
+        }
+    }
+    let per_token = start.elapsed().as_secs_f64() / reps as f64;
+    let units = (c.n_layers * c.n_kv_heads * ctx) as f64;
+    let bytes = units * 2.0 * (c.head_dim * 2) as f64;
+    println!(
+        "attention ctx {ctx}: {:>8.1} us per token  {:>6.1} ns per position and KV head  {:>5.1} GB/s of KV",
+        per_token * 1e6,
+        per_token / units * 1e9,
+        bytes / per_token / 1e9
     );
 }

@@ -47,15 +47,17 @@ pub fn attend(
     #[cfg(target_arch = "x86_64")]
     {
         use super::{Isa, avx2, avx512};
-        let fits = shape.head_dim.is_multiple_of(16) && shape.head_dim <= 256;
+        let fits = shape.head_dim.is_multiple_of(16)
+            && shape.head_dim <= 256
+            && shape.n_heads / shape.n_kv_heads <= 64;
         let args = (pool, layer, shape, kv_heads.clone(), q, pos, pages);
         // SAFETY (of each kernel passed): `isa()` detected its instruction set (AVX-512F and
-        // F16C; AVX2, FMA and F16C); `fits` and the group bound are its shape conditions.
+        // F16C; AVX2, FMA and F16C); `fits` holds its shape conditions (head_dim, at most 64 query heads per KV head).
         match (super::isa(), pool.layout().dtype) {
-            (Isa::Avx512, KvDtype::F16) if fits && shape.n_heads / shape.n_kv_heads <= 64 => {
+            (Isa::Avx512, KvDtype::F16) if fits => {
                 return attend_simd(args, out, scratch, f16_blocks, avx512::attend);
             }
-            (Isa::Avx512, KvDtype::F32) if fits && shape.n_heads / shape.n_kv_heads <= 64 => {
+            (Isa::Avx512, KvDtype::F32) if fits => {
                 return attend_simd(args, out, scratch, f32_blocks, avx512::attend);
             }
             (Isa::Avx2, KvDtype::F16) if fits => {
@@ -197,7 +199,7 @@ fn attend_kernel(
             let s = &mut scratch.scores[hi * len..(hi + 1) * len];
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             for v in s.iter_mut() {
-                *v = (*v - max).exp();
+                *v = super::exp::exp(*v - max);
                 *sum += *v;
             }
         }
@@ -298,21 +300,34 @@ mod tests {
     fn paged_attention_equals_naive_contiguous_attention() {
         // Both KV element types: this machine's kernel (AVX-512, AVX2 or portable) gives the
         // portable kernel's bits on each; f32 KV is also checked against the naive f64 sum.
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            paged_attention_case(dtype);
-        }
-    }
-
-    fn paged_attention_case(dtype: KvDtype) {
         let shape = AttnShape {
             n_heads: 6,
             n_kv_heads: 2,
             head_dim: 32,
         };
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            paged_attention_case(dtype, shape);
+        }
+    }
+
+    #[test]
+    fn more_query_heads_per_kv_head_than_one_simd_pass_holds() {
+        // Five query heads per KV head: the AVX2 kernel's blocks of four, then one.
+        let shape = AttnShape {
+            n_heads: 10,
+            n_kv_heads: 2,
+            head_dim: 64,
+        };
+        paged_attention_case(KvDtype::F16, shape);
+    }
+
+    fn paged_attention_case(dtype: KvDtype, shape: AttnShape) {
+        let (hd, kv) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+        let qd = shape.n_heads * hd;
         let layout = KvLayout {
             n_layers: 2,
-            n_kv_heads: 2,
-            head_dim: 32,
+            n_kv_heads: shape.n_kv_heads,
+            head_dim: hd,
             page_size: 4,
             dtype,
         };
@@ -322,16 +337,16 @@ mod tests {
         let len = 19;
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         for j in 0..len {
-            let k = random(64, 10 + j as u64);
-            let v = random(64, 100 + j as u64);
+            let k = random(kv, 10 + j as u64);
+            let v = random(kv, 100 + j as u64);
             pool.write_token(pages[j / 4], 1, j % 4, &k, &v);
             ks.push(k);
             vs.push(v);
         }
         let mut scratch = AttnScratch::default();
         for pos in [0, 3, 4, 18] {
-            let q = random(6 * 32, 1000 + pos as u64);
-            let mut out = vec![0f32; 6 * 32];
+            let q = random(qd, 1000 + pos as u64);
+            let mut out = vec![0f32; qd];
             attend(
                 &pool,
                 1,
@@ -344,7 +359,7 @@ mod tests {
                 &mut scratch,
             );
             let expect = naive(&q, &ks[..=pos], &vs[..=pos], shape);
-            let mut generic = vec![0f32; 6 * 32];
+            let mut generic = vec![0f32; qd];
             attend_kernel(
                 &pool,
                 1,
@@ -357,8 +372,8 @@ mod tests {
                 &mut scratch,
             );
             // One KV head at a time gives the same bits.
-            let mut split = vec![0f32; 6 * 32];
-            let (first, second) = split.split_at_mut(3 * 32);
+            let mut split = vec![0f32; qd];
+            let (first, second) = split.split_at_mut(qd / 2);
             attend(&pool, 1, shape, 0..1, &q, pos, &pages, first, &mut scratch);
             attend(&pool, 1, shape, 1..2, &q, pos, &pages, second, &mut scratch);
             assert_eq!(split, out, "{dtype:?}");

@@ -393,7 +393,7 @@ pub unsafe fn attend<E: KvElem>(
                 let s = &mut scores[hi * len..(hi + 1) * len];
                 let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 for v in s.iter_mut() {
-                    *v = (*v - max).exp();
+                    *v = super::exp::exp(*v - max);
                     sums[hi] += *v;
                 }
             }

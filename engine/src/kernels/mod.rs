@@ -26,6 +26,7 @@ pub mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod exp;
 mod matmul;
 pub mod ops;
 
