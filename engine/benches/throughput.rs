@@ -321,6 +321,7 @@ fn kernels(path: &std::path::Path) {
         }
     }
     attention_kernel(&model);
+    println!("f32 FMA peak, one core: {:.1} GMAC/s", fma_peak_gmac_s());
     let head = model.lm_head();
     let x = vec![0.5f32; head.cols];
     let mut out = vec![0f32; head.rows];

@@ -480,12 +480,43 @@ pub(super) unsafe fn exp8(x: __m256) -> __m256 {
             _mm256_set1_epi32(127),
         ));
         let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-        // Below MIN_ARG (and NaN): 0, where `n` was out of the exponent's range.
-        _mm256_and_ps(
+        // Below MIN_ARG (and NaN): 0; above MAX_ARG: +inf; there `n` was out of the
+        // exponent's range.
+        let e = _mm256_and_ps(
             e,
             _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(exp::MIN_ARG)),
+        );
+        _mm256_blendv_ps(
+            e,
+            _mm256_set1_ps(f32::INFINITY),
+            _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(exp::MAX_ARG)),
         )
     }
+}
+
+/// `gate = silu(gate) * up`, eight at a time: `ops::silu_mul`'s operations on every lane
+/// (`exp8` for its `exp::exp`), so its bits.
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len()) / 8 * 8;
+    // SAFETY: `j + 8 <= n` is within both slices.
+    unsafe {
+        let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut j = 0;
+        while j < n {
+            let x = _mm256_loadu_ps(g.add(j));
+            let e = exp8(_mm256_xor_ps(x, sign));
+            let silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g.add(j), _mm256_mul_ps(silu, _mm256_loadu_ps(u.add(j))));
+            j += 8;
+        }
+    }
+    super::ops::silu_mul_scalar(&mut gate[n..], &up[n..]);
 }
 
 /// Query heads that share one pass over K or V: 4 heads' two accumulators, two widened KV

@@ -11,12 +11,15 @@
 //! SIMD ones (`avx2::exp8`, `avx512::exp16`) give the same bits for every input; within 2 ulp
 //! of the true value (0.98 ulp at worst in the test's sweep against f64).
 //!
-//! Its domain is what the kernels need: the softmax's `x - max <= 0`. Inputs below
-//! [`MIN_ARG`] (and NaN) give 0 (e^-87.3 is already under the smallest normal f32 and, beside a term
-//! equal to 1, changes no sum); `+inf` is not expected and gives no defined value.
+//! Inputs below [`MIN_ARG`] (and NaN) give 0 (e^-87.3 is already under the smallest normal
+//! f32 and, beside a softmax term equal to 1, changes no sum); inputs above [`MAX_ARG`] give
+//! `+inf` (the true value is at most 3.4e38 there; the SiLU, `g / (1 + e^-g)`, then gives -0
+//! for a gate below -88 where the true value is under 1e-36).
 
 /// Below this `exp` returns 0.
 pub const MIN_ARG: f32 = -87.336_55;
+/// Above this `exp` returns `+inf`, so that `2^n` below stays a normal f32 (`n <= 127`).
+pub const MAX_ARG: f32 = 88.0;
 /// `log2(e)`.
 pub const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// `ln 2` in two parts: `LN2_HI` has few enough bits that `n * LN2_HI` is exact.
@@ -33,12 +36,15 @@ pub const P: [f32; 6] = [
     0.5,
 ];
 
-/// `e^x` for `x <= 0` (see the module's note on the domain).
+/// `e^x` (see the module's note on the ends of the range).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     // Written so that NaN also gives 0, as the SIMD versions' mask does.
     if x.is_nan() || x < MIN_ARG {
         return 0.0;
+    }
+    if x > MAX_ARG {
+        return f32::INFINITY;
     }
     let n = (x * LOG2E).round_ties_even();
     let r = n.mul_add(-LN2_HI, x);
@@ -49,7 +55,7 @@ pub fn exp(x: f32) -> f32 {
     }
     let r2 = r * r;
     let y = p.mul_add(r2, r) + 1.0;
-    // n is in [-126, 0] here, so 2^n is a normal f32.
+    // n is in [-126, 127] here, so 2^n is a normal f32.
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
@@ -65,10 +71,10 @@ mod tests {
     }
 
     #[test]
-    fn within_two_ulp_of_the_true_value_over_the_softmax_domain() {
+    fn within_one_ulp_of_the_true_value() {
         let mut worst = 0f64;
         let mut x = MIN_ARG;
-        while x <= 0.0 {
+        while x <= MAX_ARG {
             let e = f64::from(x).exp();
             if e >= f64::from(f32::MIN_POSITIVE) {
                 worst = worst.max(ulps(exp(x), e));
@@ -81,6 +87,9 @@ mod tests {
         assert_eq!(exp(-100.0), 0.0);
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert!(exp(MIN_ARG) > 0.0);
+        assert!(exp(MAX_ARG).is_finite());
+        assert_eq!(exp(88.5), f32::INFINITY);
+        assert_eq!(exp(f32::NAN), 0.0);
     }
 
     #[cfg(target_arch = "x86_64")]
