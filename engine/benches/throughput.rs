@@ -301,7 +301,7 @@ fn kernels(path: &std::path::Path) {
         ("ffn_down", &l.w_down),
     ] {
         let w = model.w(m);
-        for tokens in [1usize, 32] {
+        for tokens in [1usize, 2, 3, 4, 6, 32] {
             let x = vec![0.5f32; tokens * w.cols];
             let mut out = vec![0f32; tokens * w.rows];
             let reps = 2000 / tokens;

@@ -94,6 +94,11 @@ impl Block for Q8_0Wide {
     }
 }
 
+/// From this many tokens [`rows_many`] (an f32 panel dequantized once) beats the streaming
+/// [`rows`]: streaming against panel, 19.7 and 15.0 GMAC/s at 2 tokens, 17.5 and 19.8 at 3,
+/// 19.7 and 25.9 at 6 (`--kernels`, an AVX2 EPYC).
+pub const MANY_FROM: usize = 3;
+
 /// Rows dequantized at a time by [`rows_many`]: 16 rows of up to 1,536 f32 (96 KiB) stay in
 /// L2 while every token passes over them.
 const PANEL_ROWS: usize = 16;
@@ -149,6 +154,12 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     }
 }
 
+/// Rows per tile in [`rows`] for a single token. Four rows' dequantized blocks, their eight
+/// accumulators and the token's four registers left nothing for the scale, offset and mask:
+/// the compiler spilled the weights to the stack and reloaded them (14.2 against 11.9
+/// GMAC/s for two rows against four, `--kernels`, on an AVX2 EPYC).
+const ROWS_ONE_TOKEN: usize = 2;
+
 /// Rows `first..first + n` of `W · xᵀ` for `tokens` tokens of `cols` (a multiple of 32).
 /// Writes `out[t * out_stride + (r - first)]`.
 ///
@@ -177,7 +188,7 @@ pub unsafe fn rows<B: Block>(
         let tok = |t: usize| xb.add(t * cols);
         let mut r = 0;
         while r < n {
-            let tile_rows = (n - r).min(4);
+            let tile_rows = (n - r).min(ROWS_ONE_TOKEN);
             let mut t = 0;
             while t < tokens {
                 let group = (tokens - t).min(2);

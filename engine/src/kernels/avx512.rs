@@ -12,6 +12,10 @@ use std::arch::x86_64::*;
 /// accumulators, 4 weight vectors and the token vector in the 32 registers (4 x 6 spilled).
 const TOKENS_MANY: usize = 5;
 
+/// From this many tokens the matrix product takes [`rows_many`] (each tile dequantized once
+/// for every token) instead of the streaming [`rows`].
+pub const MANY_FROM: usize = 8;
+
 /// The fixed tree: pairs `(i, i + 8)`, then `(i, i + 4)`, `(i, i + 2)`, `(0, 1)`.
 #[inline(always)]
 unsafe fn hsum(v: __m512) -> f32 {

@@ -280,16 +280,16 @@ pub fn rows_strided(
     assert!(out_stride >= n && out.len() >= (tokens - 1) * out_stride + n);
     #[cfg(target_arch = "x86_64")]
     {
-        // Many tokens: dequantize each tile (AVX-512) or panel of rows (AVX2) once, then sweep
-        // the tokens; few: stream the weights past the tokens. Same bits either way.
-        let many = tokens >= 8;
+        // Many tokens (from `$simd::MANY_FROM`): dequantize each tile (AVX-512) or panel of
+        // rows (AVX2) once, then sweep the tokens; few: stream the weights past the tokens.
+        // Same bits either way.
         // `$simd::rows` or `$simd::rows_many` over the repacked formats; falls through for others.
         macro_rules! simd {
             ($simd:ident) => {{
                 use super::$simd;
                 macro_rules! run {
                     ($B:ty) => {
-                        if many {
+                        if tokens >= $simd::MANY_FROM {
                             $simd::rows_many::<$B>(
                                 w.bytes, w.cols, first, n, x, tokens, out, out_stride,
                             )
@@ -453,8 +453,8 @@ mod tests {
                 cols,
                 bytes: &bytes,
             };
-            // Up to 7 tokens take the streaming tiles; from 8 the many-token kernels (every
-            // edge of their panels and token groups).
+            // Few tokens take the streaming tiles; from `MANY_FROM` (3 on AVX2, 8 on
+            // AVX-512) the many-token kernels (every edge of their panels and token groups).
             for tokens in (1..12).chain([16, 32, 35]) {
                 let x = random(tokens * cols, 8 + tokens as u64);
                 for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1), (3, 33)] {
