@@ -12,11 +12,11 @@
 //! caller and one worker. Two ways to share a region:
 //!
 //! - [`StepPool::for_each`]: items claimed one by one from a shared counter, so uneven items
-//!   (a decode batch's attention over contexts of different lengths, row pieces of a
-//!   product) balance themselves;
+//!   (attention, whose cost grows with the position, in a decode batch or a long prompt; row
+//!   pieces of a product) balance themselves;
 //! - [`StepPool::for_each_thread`]: part `i` on thread `i`. A long prefill chunk gives each
-//!   thread the same range of tokens in every region, so each reads the activations it wrote
-//!   itself, from its own cache.
+//!   thread the same range of tokens in every region but attention, so each reads the
+//!   activations it wrote itself, from its own cache.
 //!
 //! Which thread runs an item never changes a bit of its result (see `kernels`).
 
