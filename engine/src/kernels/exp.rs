@@ -1,5 +1,5 @@
 //! The engine's own `exp`: one fixed sequence of f32 operations, so a SIMD kernel can compute
-//! eight or sixteen at once and give the scalar code's bits.
+//! eight at once and give the scalar code's bits.
 //!
 //! The library's `expf` is exact enough but a call per element: in the attention's softmax
 //! (three exponentials per position and KV head for SmolLM2) the calls and the register
@@ -8,8 +8,9 @@
 //! two-part `ln2` by fused multiply-adds, a degree-5 polynomial for `e^r` by Horner's rule with
 //! fused multiply-adds, and `2^n` built in the exponent bits. Every step is an IEEE operation
 //! that rounds once, so the scalar version ([`exp`], `mul_add` for each fused step) and the
-//! SIMD ones (`avx2::exp8`, `avx512::exp16`) give the same bits for every input; within 2 ulp
-//! of the true value (0.98 ulp at worst in the test's sweep against f64).
+//! AVX2 one (`avx2::exp8`; the AVX-512 attention calls [`exp`] per element) give the same bits
+//! for every input; within 1 ulp of the true value (0.98 at worst in the test's sweep against
+//! f64).
 //!
 //! Inputs below [`MIN_ARG`] (and NaN) give 0 (e^-87.3 is already under the smallest normal
 //! f32 and, beside a softmax term equal to 1, changes no sum); inputs above [`MAX_ARG`] give

@@ -1,0 +1,295 @@
+//! The AVX2 attention and the element-wise kernels it shares its `exp` with (the softmax's
+//! numerators, SiLU): the portable code's operations, eight lanes at a time, so its bits.
+
+use std::arch::x86_64::*;
+
+use super::hsum;
+use crate::kernels::exp;
+
+/// A KV element type the AVX2 attention reads, 8 at a time as f32.
+pub trait KvElem: Copy {
+    /// Loads 8 elements as f32.
+    ///
+    /// # Safety
+    /// `p` points at 8 readable elements; AVX2 and F16C are available.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the trait contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+/// Attention of one token (the query heads of `kv_heads`) over positions `0..=pos`: the
+/// portable kernel's operations in its order (each score a 16-lane dot, lanes 0-7 and 8-15
+/// in two registers, then the fixed tree; softmax in position order; V accumulated by one
+/// fused multiply-add per element in position order).
+///
+/// Query heads go in blocks of up to [`HEADS`] that share each K and V chunk: a chunk is
+/// widened from f16 once per block, and the block's accumulators stay in registers across
+/// positions (the first version widened a row into a stack buffer and kept V's sums in
+/// memory; its stores and reloads, not the KV reads, bounded it at ~190 cycles per position
+/// and KV head, even with the KV in L2).
+///
+/// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
+///
+/// # Safety
+/// `head_dim` is a multiple of 16 and at most 256; every block holds `page_size * kv_dim`
+/// elements; `q` holds `n_heads * head_dim` and `out` the heads of `kv_heads`; AVX2, FMA and
+/// F16C are available.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend<E: KvElem>(
+    blocks: &dyn Fn(usize, bool) -> *const E,
+    page_size: usize,
+    kv_dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    kv_heads: std::ops::Range<usize>,
+    q: &[f32],
+    pos: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let group = n_heads / n_kv_heads;
+    let base = kv_heads.start * group;
+    let len = pos + 1;
+    scores.resize(group * len, 0.0);
+    let seq = Seq {
+        blocks,
+        page_size,
+        kv_dim,
+        head_dim,
+        len,
+    };
+    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
+    unsafe {
+        let s0 = scores.as_mut_ptr();
+        for g in kv_heads {
+            let at = g * head_dim;
+            let q0 = q.as_ptr().add(g * group * head_dim);
+            let o0 = out.as_mut_ptr().add((g * group - base) * head_dim);
+            let mut h = 0;
+            while h < group {
+                let n = HEADS.min(group - h);
+                let (qh, sh) = (q0.add(h * head_dim), s0.add(h * len));
+                match n {
+                    1 => seq.scores::<1>(at, qh, sh),
+                    2 => seq.scores::<2>(at, qh, sh),
+                    3 => seq.scores::<3>(at, qh, sh),
+                    _ => seq.scores::<4>(at, qh, sh),
+                }
+                h += n;
+            }
+            let mut inv = [0f32; 64];
+            for (hi, inv) in inv.iter_mut().take(group).enumerate() {
+                *inv =
+                    1.0 / softmax_numerators(std::slice::from_raw_parts_mut(s0.add(hi * len), len));
+            }
+            let mut h = 0;
+            while h < group {
+                let n = HEADS.min(group - h);
+                let (sh, oh, ih) = (s0.add(h * len), o0.add(h * head_dim), inv.as_ptr().add(h));
+                match n {
+                    1 => seq.values::<1>(at, sh, ih, oh),
+                    2 => seq.values::<2>(at, sh, ih, oh),
+                    3 => seq.values::<3>(at, sh, ih, oh),
+                    _ => seq.values::<4>(at, sh, ih, oh),
+                }
+                h += n;
+            }
+        }
+    }
+}
+
+/// `s[j] = exp(s[j] - max)`, eight at a time, and their sum in position order (the portable
+/// kernel's operations: `exp::exp`'s on every lane).
+#[inline(always)]
+unsafe fn softmax_numerators(s: &mut [f32]) -> f32 {
+    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let n = s.len() / 8 * 8;
+    // SAFETY: `j + 8 <= n <= s.len()`; AVX2 and FMA are enabled by the caller.
+    unsafe {
+        let m = _mm256_set1_ps(max);
+        let p = s.as_mut_ptr();
+        let mut j = 0;
+        while j < n {
+            _mm256_storeu_ps(p.add(j), exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), m)));
+            j += 8;
+        }
+    }
+    for v in &mut s[n..] {
+        *v = exp::exp(*v - max);
+    }
+    s.iter().fold(0.0, |sum, v| sum + v)
+}
+
+/// [`exp::exp`] on 8 lanes: the same operations in the same order, so the same bits.
+#[inline(always)]
+pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
+    // SAFETY: register-only operations; AVX2 and FMA are enabled by the callers.
+    unsafe {
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(exp::LOG2E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-exp::LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-exp::LN2_LO), r);
+        let mut p = _mm256_set1_ps(exp::P[0]);
+        for c in &exp::P[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let r2 = _mm256_mul_ps(r, r);
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+        // Below MIN_ARG (and NaN): 0; above MAX_ARG: +inf; there `n` was out of the
+        // exponent's range.
+        let e = _mm256_and_ps(
+            e,
+            _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(exp::MIN_ARG)),
+        );
+        _mm256_blendv_ps(
+            e,
+            _mm256_set1_ps(f32::INFINITY),
+            _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(exp::MAX_ARG)),
+        )
+    }
+}
+
+/// `gate = silu(gate) * up`, eight at a time: `ops::silu_mul`'s operations on every lane
+/// (`exp8` for its `exp::exp`), so its bits.
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len()) / 8 * 8;
+    // SAFETY: `j + 8 <= n` is within both slices.
+    unsafe {
+        let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+        let one = _mm256_set1_ps(1.0);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut j = 0;
+        while j < n {
+            let x = _mm256_loadu_ps(g.add(j));
+            let e = exp8(_mm256_xor_ps(x, sign));
+            let silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(g.add(j), _mm256_mul_ps(silu, _mm256_loadu_ps(u.add(j))));
+            j += 8;
+        }
+    }
+    crate::kernels::ops::silu_mul_scalar(&mut gate[n..], &up[n..]);
+}
+
+/// Query heads that share one pass over K or V: 4 heads' two accumulators, two widened KV
+/// chunks and the broadcast weights fit AVX2's 16 registers.
+const HEADS: usize = 4;
+
+/// One sequence's KV as the attention reads it: `len` positions in pages of `page_size`.
+struct Seq<'a, E> {
+    blocks: &'a dyn Fn(usize, bool) -> *const E,
+    page_size: usize,
+    kv_dim: usize,
+    head_dim: usize,
+    len: usize,
+}
+
+impl<E: KvElem> Seq<'_, E> {
+    /// Calls `f(j, row)` for every position `j` in order, `row` pointing at the K (`v =
+    /// false`) or V row of the head whose first element is `at`.
+    #[inline(always)]
+    unsafe fn rows(&self, v: bool, at: usize, mut f: impl FnMut(usize, *const E)) {
+        let mut j = 0;
+        while j < self.len {
+            let page = j / self.page_size;
+            let end = self.len.min((page + 1) * self.page_size);
+            // SAFETY (of the offsets): every slot of a block is in it (the caller's contract).
+            let mut row = unsafe { (self.blocks)(page, v).add(at) };
+            while j < end {
+                f(j, row);
+                row = row.wrapping_add(self.kv_dim);
+                j += 1;
+            }
+        }
+    }
+
+    /// `s[h * len + j]` = the scaled score of query head `h` (at `q + h * head_dim`) for
+    /// every position `j`: a 16-lane dot and the fixed tree, as `attention::attend_kernel`.
+    #[inline(always)]
+    unsafe fn scores<const H: usize>(&self, at: usize, q: *const f32, s: *mut f32) {
+        let (head_dim, len) = (self.head_dim, self.len);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
+        unsafe {
+            self.rows(false, at, |j, k| {
+                let mut lo = [_mm256_setzero_ps(); H];
+                let mut hi = [_mm256_setzero_ps(); H];
+                let mut c = 0;
+                while c < head_dim {
+                    let (kl, kh) = (E::load8(k.add(c)), E::load8(k.add(c + 8)));
+                    for h in 0..H {
+                        let qh = q.add(h * head_dim + c);
+                        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), kl, lo[h]);
+                        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(8)), kh, hi[h]);
+                    }
+                    c += 16;
+                }
+                for h in 0..H {
+                    *s.add(h * len + j) = hsum(lo[h], hi[h]) * scale;
+                }
+            });
+        }
+    }
+
+    /// `o[h * head_dim..]` = `inv[h]` times the sum over positions of `p[h * len + j]` times
+    /// V's row `j`, 16 elements at a time, each element one fused multiply-add per position
+    /// in position order (as `attention::attend_kernel`).
+    #[inline(always)]
+    unsafe fn values<const H: usize>(
+        &self,
+        at: usize,
+        p: *const f32,
+        inv: *const f32,
+        o: *mut f32,
+    ) {
+        let (head_dim, len) = (self.head_dim, self.len);
+        // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `inv` H values,
+        // `o` H heads.
+        unsafe {
+            let mut c = 0;
+            while c < head_dim {
+                let mut lo = [_mm256_setzero_ps(); H];
+                let mut hi = [_mm256_setzero_ps(); H];
+                self.rows(true, at + c, |j, v| {
+                    let (vl, vh) = (E::load8(v), E::load8(v.add(8)));
+                    for h in 0..H {
+                        let w = _mm256_broadcast_ss(&*p.add(h * len + j));
+                        lo[h] = _mm256_fmadd_ps(w, vl, lo[h]);
+                        hi[h] = _mm256_fmadd_ps(w, vh, hi[h]);
+                    }
+                });
+                for h in 0..H {
+                    let i = _mm256_set1_ps(*inv.add(h));
+                    _mm256_storeu_ps(o.add(h * head_dim + c), _mm256_mul_ps(lo[h], i));
+                    _mm256_storeu_ps(o.add(h * head_dim + c + 8), _mm256_mul_ps(hi[h], i));
+                }
+                c += 16;
+            }
+        }
+    }
+}
