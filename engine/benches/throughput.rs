@@ -294,6 +294,11 @@ fn kernels(path: &std::path::Path) {
     let model = Model::open(path).expect("model");
     let one = duet_engine::step_pool::StepPool::new(1).expect("team");
     let l = &model.layers[0];
+    // `KERNEL_TOKENS=32` (or `1,32`...) times only those token counts.
+    let counts: Vec<usize> = std::env::var("KERNEL_TOKENS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 3, 4, 6, 32]);
     for (name, m) in [
         ("attn_q", &l.wq),
         ("attn_k", &l.wk),
@@ -301,7 +306,7 @@ fn kernels(path: &std::path::Path) {
         ("ffn_down", &l.w_down),
     ] {
         let w = model.w(m);
-        for tokens in [1usize, 2, 3, 4, 6, 32] {
+        for &tokens in &counts {
             let x = vec![0.5f32; tokens * w.cols];
             let mut out = vec![0f32; tokens * w.rows];
             let reps = 2000 / tokens;

@@ -44,6 +44,35 @@ pub fn attend(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
+    attend_with(
+        super::isa(),
+        pool,
+        layer,
+        shape,
+        kv_heads,
+        q,
+        pos,
+        pages,
+        out,
+        scratch,
+    )
+}
+
+/// [`attend`] with the kernels of `isa`, which this CPU must have (`isa()` or a level below
+/// it: the tests run every level the machine offers).
+#[allow(clippy::too_many_arguments)]
+fn attend_with(
+    isa: super::Isa,
+    pool: &KvPool,
+    layer: usize,
+    shape: AttnShape,
+    kv_heads: std::ops::Range<usize>,
+    q: &[f32],
+    pos: usize,
+    pages: &[PageId],
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         use super::{Isa, avx2, avx512};
@@ -51,9 +80,10 @@ pub fn attend(
             && shape.head_dim <= 256
             && shape.n_heads / shape.n_kv_heads <= 64;
         let args = (pool, layer, shape, kv_heads.clone(), q, pos, pages);
-        // SAFETY (of each kernel passed): `isa()` detected its instruction set (AVX-512F and
-        // F16C; AVX2, FMA and F16C); `fits` holds its shape conditions (head_dim, at most 64 query heads per KV head).
-        match (super::isa(), pool.layout().dtype) {
+        // SAFETY (of each kernel passed): the caller's `isa` was detected (AVX-512F and F16C;
+        // AVX2, FMA and F16C); `fits` holds its shape conditions (head_dim, at most 64 query
+        // heads per KV head).
+        match (isa, pool.layout().dtype) {
             (Isa::Avx512, KvDtype::F16) if fits => {
                 return attend_simd(args, out, scratch, f16_blocks, avx512::attend);
             }
@@ -69,6 +99,8 @@ pub fn attend(
             _ => {}
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     crate::dispatch!(attend_kernel(
         pool, layer, shape, kv_heads, q, pos, pages, out, scratch
     ))
@@ -227,6 +259,42 @@ fn attend_kernel(
     }
 }
 
+/// `sums[r]` = the sum of row `r` of `rows` (rows of `len`), each in position order, the
+/// rows' chains interleaved eight at a time.
+///
+/// A softmax's sum must run in position order (its bits are the portable kernel's); one row
+/// after another, every add waited for the one before it (four cycles), and the two chains,
+/// max and sum, were half of a decode token's attention. Independent rows side by side keep
+/// the adders busy without changing any row's order.
+pub(super) fn sums_in_position_order(rows: &[f32], len: usize, sums: &mut [f32]) {
+    #[inline(always)]
+    fn block<const N: usize>(rows: &[f32], len: usize, sums: &mut [f32]) {
+        let mut acc = [0f32; N];
+        for j in 0..len {
+            for r in 0..N {
+                acc[r] += rows[r * len + j];
+            }
+        }
+        sums[..N].copy_from_slice(&acc);
+    }
+    let mut r = 0;
+    while r < sums.len() {
+        let (rows, sums) = (&rows[r * len..], &mut sums[r..]);
+        let n = (sums.len()).min(8);
+        match n {
+            1 => block::<1>(rows, len, sums),
+            2 => block::<2>(rows, len, sums),
+            3 => block::<3>(rows, len, sums),
+            4 => block::<4>(rows, len, sums),
+            5 => block::<5>(rows, len, sums),
+            6 => block::<6>(rows, len, sums),
+            7 => block::<7>(rows, len, sums),
+            _ => block::<8>(rows, len, sums),
+        }
+        r += n;
+    }
+}
+
 /// Copies one head of one slot out of a K or V block, as f32.
 #[inline(always)]
 fn load(block: BlockView<'_>, at: usize, into: &mut [f32]) {
@@ -298,53 +366,71 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_naive_contiguous_attention() {
-        // Both KV element types: this machine's kernel (AVX-512, AVX2 or portable) gives the
-        // portable kernel's bits on each; f32 KV is also checked against the naive f64 sum.
+        // Both KV element types: every kernel this machine runs (AVX-512, AVX2, portable)
+        // gives the portable kernel's bits on each; f32 KV is also checked against the naive
+        // f64 sum.
         let shape = AttnShape {
             n_heads: 6,
             n_kv_heads: 2,
             head_dim: 32,
         };
         for dtype in [KvDtype::F32, KvDtype::F16] {
-            paged_attention_case(dtype, shape);
+            paged_attention_case(dtype, shape, 19);
         }
     }
 
     #[test]
     fn more_query_heads_per_kv_head_than_one_simd_pass_holds() {
-        // Five query heads per KV head: the AVX2 kernel's blocks of four, then one.
+        // Five query heads per KV head: the SIMD kernels' blocks of four, then one.
         let shape = AttnShape {
             n_heads: 10,
             n_kv_heads: 2,
             head_dim: 64,
         };
-        paged_attention_case(KvDtype::F16, shape);
+        paged_attention_case(KvDtype::F16, shape, 19);
     }
 
-    fn paged_attention_case(dtype: KvDtype, shape: AttnShape) {
+    #[test]
+    fn the_models_shape_and_heads_wider_than_one_pass_hold_over_many_pages() {
+        // SmolLM2's groups of three heads of 64 over 23 pages; heads of 80 and 128 take
+        // several passes over V, each a page at a time with the sums kept between pages.
+        for head_dim in [64, 80, 128] {
+            let shape = AttnShape {
+                n_heads: 6,
+                n_kv_heads: 2,
+                head_dim,
+            };
+            paged_attention_case(KvDtype::F16, shape, 90);
+        }
+    }
+
+    fn paged_attention_case(dtype: KvDtype, shape: AttnShape, len: usize) {
         let (hd, kv) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
         let qd = shape.n_heads * hd;
+        let page_size = 4;
         let layout = KvLayout {
             n_layers: 2,
             n_kv_heads: shape.n_kv_heads,
             head_dim: hd,
-            page_size: 4,
+            page_size,
             dtype,
         };
-        let mut pool = KvPool::new(layout, 16).unwrap();
+        let n_pages = len.div_ceil(page_size);
+        let mut pool = KvPool::new(layout, 2 * n_pages + 1).unwrap();
         // Scattered, out-of-order pages: the page table is what makes them one sequence.
-        let pages: Vec<PageId> = vec![9, 2, 14, 5, 0];
-        let len = 19;
+        let pages: Vec<PageId> = (0..n_pages as PageId)
+            .map(|i| (i * 7 + 3) % (2 * n_pages as PageId + 1))
+            .collect();
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         for j in 0..len {
             let k = random(kv, 10 + j as u64);
             let v = random(kv, 100 + j as u64);
-            pool.write_token(pages[j / 4], 1, j % 4, &k, &v);
+            pool.write_token(pages[j / page_size], 1, j % page_size, &k, &v);
             ks.push(k);
             vs.push(v);
         }
         let mut scratch = AttnScratch::default();
-        for pos in [0, 3, 4, 18] {
+        for pos in [0, 3, 4, 18, len - 1] {
             let q = random(qd, 1000 + pos as u64);
             let mut out = vec![0f32; qd];
             attend(
@@ -371,16 +457,37 @@ mod tests {
                 &mut generic,
                 &mut scratch,
             );
-            // One KV head at a time gives the same bits.
-            let mut split = vec![0f32; qd];
-            let (first, second) = split.split_at_mut(qd / 2);
-            attend(&pool, 1, shape, 0..1, &q, pos, &pages, first, &mut scratch);
-            attend(&pool, 1, shape, 1..2, &q, pos, &pages, second, &mut scratch);
-            assert_eq!(split, out, "{dtype:?}");
             assert_eq!(
                 generic, out,
                 "{dtype:?}: the portable kernel gives the same bits"
             );
+            for isa in crate::kernels::isas() {
+                let mut each = vec![0f32; qd];
+                attend_with(
+                    isa,
+                    &pool,
+                    1,
+                    shape,
+                    0..2,
+                    &q,
+                    pos,
+                    &pages,
+                    &mut each,
+                    &mut scratch,
+                );
+                assert_eq!(each, generic, "{isa:?} {dtype:?} head_dim {hd} pos {pos}");
+                // One KV head at a time gives the same bits.
+                let mut split = vec![0f32; qd];
+                let (first, second) = split.split_at_mut(qd / 2);
+                let one = |kv_heads, out: &mut [f32], scratch: &mut AttnScratch| {
+                    attend_with(
+                        isa, &pool, 1, shape, kv_heads, &q, pos, &pages, out, scratch,
+                    )
+                };
+                one(0..1, first, &mut scratch);
+                one(1..2, second, &mut scratch);
+                assert_eq!(split, out, "{isa:?} {dtype:?}: split by KV head");
+            }
             let tolerance = if dtype == KvDtype::F32 { 1e-5 } else { 1e-2 };
             for (a, b) in out.iter().zip(&expect) {
                 assert!((a - b).abs() < tolerance, "{dtype:?} pos {pos}: {a} vs {b}");

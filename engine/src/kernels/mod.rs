@@ -57,11 +57,15 @@ pub fn isa() -> Isa {
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::env::var_os("DUET_ISA").is_some_and(|v| v == "portable") {
+            // `DUET_ISA` caps the level (`portable`, `avx2`): to measure or test a lower
+            // level's kernels on a machine that has a higher one.
+            let cap = std::env::var_os("DUET_ISA");
+            if cap.as_ref().is_some_and(|v| v == "portable") {
                 return Isa::Portable;
             }
             let f16c = is_x86_feature_detected!("f16c");
-            if is_x86_feature_detected!("avx512f") && f16c {
+            let avx2_cap = cap.is_some_and(|v| v == "avx2");
+            if is_x86_feature_detected!("avx512f") && f16c && !avx2_cap {
                 return Isa::Avx512;
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -72,6 +76,18 @@ pub fn isa() -> Isa {
         }
         Isa::Portable
     })
+}
+
+/// Every level this process may compute with: [`isa`] and the levels below it whose kernels
+/// this CPU runs, so a test checks each against the portable bits.
+#[cfg(test)]
+pub(crate) fn isas() -> Vec<Isa> {
+    let all = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+    let from = all
+        .iter()
+        .position(|i| *i == isa())
+        .unwrap_or(all.len() - 1);
+    all[from..].to_vec()
 }
 
 /// Sums the lanes in a fixed tree (pairs, then pairs of pairs...).

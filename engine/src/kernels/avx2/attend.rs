@@ -42,6 +42,10 @@ impl KvElem for f32 {
 /// memory; its stores and reloads, not the KV reads, bounded it at ~190 cycles per position
 /// and KV head, even with the KV in L2).
 ///
+/// The pages go in turn, every KV head of a page before the next page, so each page's K and
+/// V blocks are read front to back while they are in cache; the softmax's max is vector
+/// wide and its sums run side by side (`attention::sums_in_position_order`).
+///
 /// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
 ///
 /// # Safety
@@ -64,9 +68,10 @@ pub unsafe fn attend<E: KvElem>(
     out: &mut [f32],
 ) {
     let group = n_heads / n_kv_heads;
-    let base = kv_heads.start * group;
+    let heads = kv_heads.len() * group;
     let len = pos + 1;
-    scores.resize(group * len, 0.0);
+    // Every head's scores, then their sums' place.
+    scores.resize(heads * len + heads, 0.0);
     let seq = Seq {
         blocks,
         page_size,
@@ -76,64 +81,98 @@ pub unsafe fn attend<E: KvElem>(
     };
     // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
     unsafe {
-        let s0 = scores.as_mut_ptr();
-        for g in kv_heads {
-            let at = g * head_dim;
-            let q0 = q.as_ptr().add(g * group * head_dim);
-            let o0 = out.as_mut_ptr().add((g * group - base) * head_dim);
-            let mut h = 0;
-            while h < group {
-                let n = HEADS.min(group - h);
-                let (qh, sh) = (q0.add(h * head_dim), s0.add(h * len));
-                match n {
-                    1 => seq.scores::<1>(at, qh, sh),
-                    2 => seq.scores::<2>(at, qh, sh),
-                    3 => seq.scores::<3>(at, qh, sh),
-                    _ => seq.scores::<4>(at, qh, sh),
+        let (rows, sums) = scores.split_at_mut(heads * len);
+        let s0 = rows.as_mut_ptr();
+        // Page by page, every KV head of a page before the next page: a page's K (or V)
+        // block is read whole while it is in cache, front to back.
+        for span in seq.pages() {
+            for (i, g) in kv_heads.clone().enumerate() {
+                let at = g * head_dim;
+                let q0 = q.as_ptr().add(g * group * head_dim);
+                let mut h = 0;
+                while h < group {
+                    let n = HEADS.min(group - h);
+                    let (qh, sh) = (q0.add(h * head_dim), s0.add((i * group + h) * len));
+                    let span = span.clone();
+                    match n {
+                        1 => seq.scores::<1>(at, span, qh, sh),
+                        2 => seq.scores::<2>(at, span, qh, sh),
+                        3 => seq.scores::<3>(at, span, qh, sh),
+                        _ => seq.scores::<4>(at, span, qh, sh),
+                    }
+                    h += n;
                 }
-                h += n;
             }
-            let mut inv = [0f32; 64];
-            for (hi, inv) in inv.iter_mut().take(group).enumerate() {
-                *inv =
-                    1.0 / softmax_numerators(std::slice::from_raw_parts_mut(s0.add(hi * len), len));
-            }
-            let mut h = 0;
-            while h < group {
-                let n = HEADS.min(group - h);
-                let (sh, oh, ih) = (s0.add(h * len), o0.add(h * head_dim), inv.as_ptr().add(h));
-                match n {
-                    1 => seq.values::<1>(at, sh, ih, oh),
-                    2 => seq.values::<2>(at, sh, ih, oh),
-                    3 => seq.values::<3>(at, sh, ih, oh),
-                    _ => seq.values::<4>(at, sh, ih, oh),
+        }
+        for row in rows.chunks_exact_mut(len) {
+            numerators(row);
+        }
+        crate::kernels::attention::sums_in_position_order(rows, len, sums);
+        let s0 = rows.as_ptr();
+        for span in seq.pages() {
+            for (i, g) in kv_heads.clone().enumerate() {
+                let at = g * head_dim;
+                let o0 = out.as_mut_ptr().add(i * group * head_dim);
+                let mut h = 0;
+                while h < group {
+                    let n = HEADS.min(group - h);
+                    let (sh, oh) = (s0.add((i * group + h) * len), o0.add(h * head_dim));
+                    let span = span.clone();
+                    match n {
+                        1 => seq.values::<1>(at, span, sh, oh),
+                        2 => seq.values::<2>(at, span, sh, oh),
+                        3 => seq.values::<3>(at, span, sh, oh),
+                        _ => seq.values::<4>(at, span, sh, oh),
+                    }
+                    h += n;
                 }
-                h += n;
+            }
+        }
+        for (o, sum) in out.chunks_exact_mut(head_dim).zip(sums.iter()) {
+            let inv = _mm256_set1_ps(1.0 / *sum);
+            for c in o.chunks_exact_mut(8) {
+                _mm256_storeu_ps(
+                    c.as_mut_ptr(),
+                    _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), inv),
+                );
             }
         }
     }
 }
 
-/// `s[j] = exp(s[j] - max)`, eight at a time, and their sum in position order (the portable
-/// kernel's operations: `exp::exp`'s on every lane).
+/// `s[j] = exp(s[j] - max)`, eight at a time (the portable kernel's operations: `exp::exp`'s
+/// on every lane). The max in any order is the same value but for the sign of a zero, which
+/// no difference `s[j] - max` shows; NaN scores are skipped as `f32::max` skips them
+/// (`vmaxps` returns its second operand when one is NaN).
 #[inline(always)]
-unsafe fn softmax_numerators(s: &mut [f32]) -> f32 {
-    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+unsafe fn numerators(s: &mut [f32]) {
     let n = s.len() / 8 * 8;
     // SAFETY: `j + 8 <= n <= s.len()`; AVX2 and FMA are enabled by the caller.
     unsafe {
-        let m = _mm256_set1_ps(max);
         let p = s.as_mut_ptr();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut j = 0;
+        while j < n {
+            m = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m);
+            j += 8;
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let max = lanes
+            .iter()
+            .chain(&s[n..])
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        let m = _mm256_set1_ps(max);
         let mut j = 0;
         while j < n {
             _mm256_storeu_ps(p.add(j), exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), m)));
             j += 8;
         }
+        for v in &mut s[n..] {
+            *v = exp::exp(*v - max);
+        }
     }
-    for v in &mut s[n..] {
-        *v = exp::exp(*v - max);
-    }
-    s.iter().fold(0.0, |sum, v| sum + v)
 }
 
 /// [`exp::exp`] on 8 lanes: the same operations in the same order, so the same bits.
@@ -210,33 +249,38 @@ struct Seq<'a, E> {
 }
 
 impl<E: KvElem> Seq<'_, E> {
-    /// Calls `f(j, row)` for every position `j` in order, `row` pointing at the K (`v =
-    /// false`) or V row of the head whose first element is `at`.
+    /// The positions of each page in turn.
+    fn pages(&self) -> impl Iterator<Item = std::ops::Range<usize>> + use<'_, E> {
+        (0..self.len.div_ceil(self.page_size))
+            .map(|p| p * self.page_size..self.len.min((p + 1) * self.page_size))
+    }
+
+    /// The K (`v = false`) or V row of position `j` for the head whose first element is
+    /// `at`; each next position of the page is `kv_dim` elements further on. (The callers
+    /// loop over a page's rows themselves; see `avx512/attend.rs` for why not a closure.)
     #[inline(always)]
-    unsafe fn rows(&self, v: bool, at: usize, mut f: impl FnMut(usize, *const E)) {
-        let mut j = 0;
-        while j < self.len {
-            let page = j / self.page_size;
-            let end = self.len.min((page + 1) * self.page_size);
-            // SAFETY (of the offsets): every slot of a block is in it (the caller's contract).
-            let mut row = unsafe { (self.blocks)(page, v).add(at) };
-            while j < end {
-                f(j, row);
-                row = row.wrapping_add(self.kv_dim);
-                j += 1;
-            }
-        }
+    unsafe fn row(&self, v: bool, at: usize, j: usize) -> *const E {
+        // SAFETY (of the offset): every slot of a block is in it (the caller's contract).
+        unsafe { (self.blocks)(j / self.page_size, v).add((j % self.page_size) * self.kv_dim + at) }
     }
 
     /// `s[h * len + j]` = the scaled score of query head `h` (at `q + h * head_dim`) for
-    /// every position `j`: a 16-lane dot and the fixed tree, as `attention::attend_kernel`.
+    /// every position `j` of `span` (within one page): a 16-lane dot and the fixed tree, as
+    /// `attention::attend_kernel`.
     #[inline(always)]
-    unsafe fn scores<const H: usize>(&self, at: usize, q: *const f32, s: *mut f32) {
+    unsafe fn scores<const H: usize>(
+        &self,
+        at: usize,
+        span: std::ops::Range<usize>,
+        q: *const f32,
+        s: *mut f32,
+    ) {
         let (head_dim, len) = (self.head_dim, self.len);
         let scale = 1.0 / (head_dim as f32).sqrt();
         // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
         unsafe {
-            self.rows(false, at, |j, k| {
+            let mut k = self.row(false, at, span.start);
+            for j in span {
                 let mut lo = [_mm256_setzero_ps(); H];
                 let mut hi = [_mm256_setzero_ps(); H];
                 let mut c = 0;
@@ -252,41 +296,51 @@ impl<E: KvElem> Seq<'_, E> {
                 for h in 0..H {
                     *s.add(h * len + j) = hsum(lo[h], hi[h]) * scale;
                 }
-            });
+                k = k.wrapping_add(self.kv_dim);
+            }
         }
     }
 
-    /// `o[h * head_dim..]` = `inv[h]` times the sum over positions of `p[h * len + j]` times
-    /// V's row `j`, 16 elements at a time, each element one fused multiply-add per position
-    /// in position order (as `attention::attend_kernel`).
+    /// Adds the positions of `span` (within one page) to `o[h * head_dim..]`, the sums over
+    /// positions of `p[h * len + j]` times V's row `j`, 16 elements at a time in registers:
+    /// each element one fused multiply-add per position in position order (as
+    /// `attention::attend_kernel`). The first page starts the sums from zero; they wait in
+    /// `o` between pages (a store and a load change no bit), so the four passes over a head
+    /// read the page's rows from L1, not the whole sequence's from memory once per pass.
     #[inline(always)]
     unsafe fn values<const H: usize>(
         &self,
         at: usize,
+        span: std::ops::Range<usize>,
         p: *const f32,
-        inv: *const f32,
         o: *mut f32,
     ) {
         let (head_dim, len) = (self.head_dim, self.len);
-        // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `inv` H values,
-        // `o` H heads.
+        // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `o` H heads.
         unsafe {
             let mut c = 0;
             while c < head_dim {
                 let mut lo = [_mm256_setzero_ps(); H];
                 let mut hi = [_mm256_setzero_ps(); H];
-                self.rows(true, at + c, |j, v| {
+                if span.start > 0 {
+                    for h in 0..H {
+                        lo[h] = _mm256_loadu_ps(o.add(h * head_dim + c));
+                        hi[h] = _mm256_loadu_ps(o.add(h * head_dim + c + 8));
+                    }
+                }
+                let mut v = self.row(true, at + c, span.start);
+                for j in span.clone() {
                     let (vl, vh) = (E::load8(v), E::load8(v.add(8)));
                     for h in 0..H {
                         let w = _mm256_broadcast_ss(&*p.add(h * len + j));
                         lo[h] = _mm256_fmadd_ps(w, vl, lo[h]);
                         hi[h] = _mm256_fmadd_ps(w, vh, hi[h]);
                     }
-                });
+                    v = v.wrapping_add(self.kv_dim);
+                }
                 for h in 0..H {
-                    let i = _mm256_set1_ps(*inv.add(h));
-                    _mm256_storeu_ps(o.add(h * head_dim + c), _mm256_mul_ps(lo[h], i));
-                    _mm256_storeu_ps(o.add(h * head_dim + c + 8), _mm256_mul_ps(hi[h], i));
+                    _mm256_storeu_ps(o.add(h * head_dim + c), lo[h]);
+                    _mm256_storeu_ps(o.add(h * head_dim + c + 8), hi[h]);
                 }
                 c += 16;
             }
