@@ -437,12 +437,14 @@ mod tests {
     /// portable kernel's bits, for both repacked formats, every tile edge and token count.
     #[test]
     fn the_dispatched_kernel_computes_the_portable_bits() {
-        // An odd row count, more rows than a many-token panel holds; short rows and the
-        // model's longest (1,536).
+        // An odd row count, more rows than a many-token panel holds; short rows, the
+        // model's longest (1,536: two of AVX-512's column spans) and one that ends in a
+        // short span (800).
         for (ty, cols) in [
             (TensorType::Q4_1, 96),
             (TensorType::Q8_0, 96),
             (TensorType::Q4_1, 1536),
+            (TensorType::Q8_0, 800),
         ] {
             let rows = 37;
             let raw = quantize(ty, &random(rows * cols, 7));
