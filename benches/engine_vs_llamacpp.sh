@@ -13,10 +13,15 @@ cd "$(dirname "$0")/.."
 threads=${1:-1,2}
 rounds=${2:-3}
 venv=.bench-venv
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
+# AMX off: on a Sapphire Rapids guest the native build's AMX path crashed in its first
+# prompt (segmentation fault in decode); every other native instruction set stays on.
+amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null ||
+  [ "$(cat "$venv/.build-flags" 2>/dev/null)" != "$amx" ]; then
   python3 -m venv "$venv"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF" \
-    "$venv/bin/pip" install --quiet llama-cpp-python==0.3.36
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DCMAKE_C_FLAGS='$amx' -DCMAKE_CXX_FLAGS='$amx'" \
+    "$venv/bin/pip" install --quiet --force-reinstall --no-cache-dir llama-cpp-python==0.3.36
+  echo "$amx" > "$venv/.build-flags"
 fi
 model=$(cargo run --release --quiet -- fetch-model | awk '{print $1}')
 cargo bench --quiet -p duet-engine --bench throughput --no-run

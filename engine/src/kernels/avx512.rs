@@ -67,10 +67,24 @@ impl Block for Q4_1Wide {
         unsafe {
             let d = _mm512_set1_ps(p.cast::<f32>().read_unaligned());
             let m = _mm512_set1_ps(p.add(4).cast::<f32>().read_unaligned());
+            // The block's 16 possible weights, `d * q + m` fused for q = 0..15 (each weight
+            // depends on its nibble only, so the same bits as computing it per weight), then
+            // one permute per 16 weights picks them: `vpermps` reads an index's low 4 bits,
+            // so the low nibble needs no mask. Five vector operations per block instead of
+            // seven (mask, shift, two conversions, two fused dequantizations).
+            let table = _mm512_fmadd_ps(
+                _mm512_setr_ps(
+                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                    15.0,
+                ),
+                d,
+                m,
+            );
             let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(8).cast()));
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-            (_mm512_fmadd_ps(lo, d, m), _mm512_fmadd_ps(hi, d, m))
+            (
+                _mm512_permutexvar_ps(q, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table),
+            )
         }
     }
 }
