@@ -267,6 +267,14 @@ pub unsafe fn rows_many<B: Block>(
                     _mm512_storeu_ps(wp.add(i * cols + b * 32 + 16), hi);
                 }
             }
+            // The next tile's rows come from memory while this one computes (its dequantizing
+            // loop above otherwise waits for them; a prefetch past the end never faults).
+            let next = base.wrapping_add((first + r + 4) * rb);
+            let mut b = 0;
+            while b < 4 * rb {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b).cast());
+                b += 64;
+            }
             let mut k = 0;
             while k < cols {
                 let span = k..cols.min(k + K_SPAN);
