@@ -62,10 +62,12 @@ fn main() {
                 .and_then(|t| t.parse().ok())
                 .unwrap_or(default)
         };
+        // STEPS sets the steps decoded (the context grows by one per step).
         let (batch, ctx) = (env("BATCH", 1), env("CTX", 32));
+        let steps = env("STEPS", 300 / batch.max(1) * 4);
         println!(
             "decode b{batch} ctx {ctx}: {:.1} tok/s",
-            decode(&mut e, &prompt, batch, ctx, 300 / batch.max(1) * 4)
+            decode(&mut e, &prompt, batch, ctx, steps)
         );
         return;
     }
