@@ -124,9 +124,13 @@ fn main() {
         // this run (the peak once per thread count, right after the step it is compared with).
         let b32_gmac_s = decode_b32_tok_s * macs_per_token(&e.model) / 1e9;
         let peak_gmac_s = fma_peak_gmac_s() * threads as f64;
+        // Batch 1 streams every weight once per token: its weight bytes per second against
+        // what `threads` cores read from memory now, sequentially, with nothing to compute.
+        let b1_weight_gb_s = decode_b1_tok_s * weight_bytes_per_token(&e.model) / 1e9;
+        let read_gb_s = memory_read_gb_s(threads);
         if as_json {
             println!(
-                "{{\"engine\": \"duet\", \"threads\": {threads}, \"prefill_tok_s\": {prefill_tok_s:.2}, \"decode_b1_tok_s\": {decode_b1_tok_s:.2}, \"decode_b1_after_512_tok_s\": {decode_b1_after_512_tok_s:.2}, \"decode_b8_tok_s\": {decode_b8_tok_s:.2}, \"decode_b32_tok_s\": {decode_b32_tok_s:.2}, \"b32_gmac_s\": {b32_gmac_s:.2}, \"fma_peak_gmac_s\": {peak_gmac_s:.2}, \"rss_after_load_mb\": {rss_after_load_mb:.1}, \"gguf_mb\": {gguf_mb:.1}, \"kv_pool_mb\": {kv_pool_mb:.1}}}"
+                "{{\"engine\": \"duet\", \"threads\": {threads}, \"prefill_tok_s\": {prefill_tok_s:.2}, \"decode_b1_tok_s\": {decode_b1_tok_s:.2}, \"decode_b1_after_512_tok_s\": {decode_b1_after_512_tok_s:.2}, \"decode_b8_tok_s\": {decode_b8_tok_s:.2}, \"decode_b32_tok_s\": {decode_b32_tok_s:.2}, \"b32_gmac_s\": {b32_gmac_s:.2}, \"fma_peak_gmac_s\": {peak_gmac_s:.2}, \"b1_weight_gb_s\": {b1_weight_gb_s:.2}, \"memory_read_gb_s\": {read_gb_s:.2}, \"rss_after_load_mb\": {rss_after_load_mb:.1}, \"gguf_mb\": {gguf_mb:.1}, \"kv_pool_mb\": {kv_pool_mb:.1}}}"
             );
         } else {
             println!(
@@ -148,6 +152,10 @@ fn main() {
             println!(
                 "threads {threads}: batch 32 = {b32_gmac_s:.1} GMAC/s = {:.0} % of the f32 FMA peak ({peak_gmac_s:.1} GMAC/s on {threads} core(s), measured now)",
                 100.0 * b32_gmac_s / peak_gmac_s
+            );
+            println!(
+                "threads {threads}: batch 1 reads its weights at {b1_weight_gb_s:.1} GB/s = {:.0} % of what {threads} core(s) read from memory ({read_gb_s:.1} GB/s, measured now)",
+                100.0 * b1_weight_gb_s / read_gb_s
             );
             println!(
                 "threads {threads}: resident after load {rss_after_load_mb:.0} MB (GGUF {gguf_mb:.0} MB, KV pool {kv_pool_mb:.0} MB)"
@@ -211,6 +219,103 @@ fn macs_per_token(m: &Model) -> f64 {
         .sum();
     let head = m.lm_head();
     (layer + head.rows * head.cols) as f64
+}
+
+/// Bytes of weights one decode token reads: every layer's matrices and the LM head, as the
+/// kernels hold them (repacked).
+fn weight_bytes_per_token(m: &Model) -> f64 {
+    let layer: usize = m
+        .layers
+        .iter()
+        .map(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                .iter()
+                .map(|w| m.w(w).bytes.len())
+                .sum::<usize>()
+        })
+        .sum();
+    (layer + m.lm_head().bytes.len()) as f64
+}
+
+/// What `threads` cores read from memory per second: each sums its share of a 256 MB buffer
+/// (far past any cache) with the widest loads this process computes with (AVX-512's read
+/// 14.5 GB/s on one Sapphire Rapids core where AVX2's read 13 and a portable loop 11),
+/// four independent chains, best of three.
+#[allow(unsafe_code)] // target_feature functions, called after the ISA was detected
+fn memory_read_gb_s(threads: usize) -> f64 {
+    fn portable(part: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        for c in part.chunks_exact(16) {
+            for (a, w) in acc.iter_mut().zip(c) {
+                *a += *w;
+            }
+        }
+        acc.iter().sum()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512(part: &[f32]) -> f32 {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for c in part.chunks_exact(64) {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 16 floats from `16 * k` are inside the 64 of `c`.
+                *a = _mm512_add_ps(*a, unsafe { _mm512_loadu_ps(c.as_ptr().add(16 * k)) });
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn avx2(part: &[f32]) -> f32 {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for c in part.chunks_exact(32) {
+            for (k, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 8 floats from `8 * k` are inside the 32 of `c`.
+                *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(c.as_ptr().add(8 * k)) });
+            }
+        }
+        let mut out = [0f32; 8];
+        for v in acc {
+            // SAFETY: `out` has room for the 8 lanes.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr(),
+                    _mm256_add_ps(v, _mm256_loadu_ps(out.as_ptr())),
+                )
+            };
+        }
+        out.iter().sum()
+    }
+    let sum: fn(&[f32]) -> f32 = match duet_engine::kernels::isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: isa() reported the feature.
+        duet_engine::kernels::Isa::Avx512 => |p| unsafe { avx512(p) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: isa() reported the feature.
+        duet_engine::kernels::Isa::Avx2 | duet_engine::kernels::Isa::Avx2NoF16c => {
+            |p| unsafe { avx2(p) }
+        }
+        _ => portable,
+    };
+    let words = vec![1f32; 256 << 18];
+    let share = words.len() / threads.max(1);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            let parts: Vec<_> = std::hint::black_box(&words)
+                .chunks(share)
+                .map(|part| s.spawn(move || std::hint::black_box(sum(part))))
+                .collect();
+            for p in parts {
+                let _ = p.join();
+            }
+        });
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (words.len() * 4) as f64 / best / 1e9
 }
 
 /// One core's f32 fused multiply-add peak in GMAC/s: twelve independent accumulator chains
