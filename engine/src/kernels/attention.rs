@@ -11,6 +11,8 @@ use half::slice::HalfFloatSliceExt;
 
 use super::{LANES, dot};
 
+pub(crate) mod sweep;
+
 /// Shape of the attention.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {

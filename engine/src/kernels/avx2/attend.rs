@@ -4,7 +4,11 @@
 use std::arch::x86_64::*;
 
 use super::hsum;
+use crate::kernels::attention::sweep::{Seq, Tiles, sweep};
 use crate::kernels::exp;
+
+/// The AVX2 tiles of the shared sweep.
+pub struct Avx2;
 
 /// A KV element type the AVX2 attention reads, 8 at a time as f32.
 pub trait KvElem: Copy {
@@ -36,15 +40,14 @@ impl KvElem for f32 {
 /// in two registers, then the fixed tree; softmax in position order; V accumulated by one
 /// fused multiply-add per element in position order).
 ///
-/// Query heads go in blocks of up to [`HEADS`] that share each K and V chunk: a chunk is
+/// The walk over the pages is the shared `attention::sweep`; these are its register tiles.
+/// Query heads go in blocks of up to four that share each K and V chunk: a chunk is
 /// widened from f16 once per block, and the block's accumulators stay in registers across
 /// positions (the first version widened a row into a stack buffer and kept V's sums in
 /// memory; its stores and reloads, not the KV reads, bounded it at ~190 cycles per position
 /// and KV head, even with the KV in L2).
 ///
-/// The pages go in turn, every KV head of a page before the next page, so each page's K and
-/// V blocks are read front to back while they are in cache; the softmax's max is vector
-/// wide and its sums run side by side (`attention::sums_in_position_order`).
+/// The softmax's max is vector wide (its numerators are [`numerators`]).
 ///
 /// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
 ///
@@ -67,77 +70,15 @@ pub unsafe fn attend<E: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let group = n_heads / n_kv_heads;
-    let heads = kv_heads.len() * group;
-    let len = pos + 1;
-    // Every head's scores, then their sums' place.
-    scores.resize(heads * len + heads, 0.0);
     let seq = Seq {
         blocks,
         page_size,
         kv_dim,
         head_dim,
-        len,
+        len: pos + 1,
     };
-    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
-    unsafe {
-        let (rows, sums) = scores.split_at_mut(heads * len);
-        let s0 = rows.as_mut_ptr();
-        // Page by page, every KV head of a page before the next page: a page's K (or V)
-        // block is read whole while it is in cache, front to back.
-        for span in seq.pages() {
-            for (i, g) in kv_heads.clone().enumerate() {
-                let at = g * head_dim;
-                let q0 = q.as_ptr().add(g * group * head_dim);
-                let mut h = 0;
-                while h < group {
-                    let n = HEADS.min(group - h);
-                    let (qh, sh) = (q0.add(h * head_dim), s0.add((i * group + h) * len));
-                    let span = span.clone();
-                    match n {
-                        1 => seq.scores::<1>(at, span, qh, sh),
-                        2 => seq.scores::<2>(at, span, qh, sh),
-                        3 => seq.scores::<3>(at, span, qh, sh),
-                        _ => seq.scores::<4>(at, span, qh, sh),
-                    }
-                    h += n;
-                }
-            }
-        }
-        for row in rows.chunks_exact_mut(len) {
-            numerators(row);
-        }
-        crate::kernels::attention::sums_in_position_order(rows, len, sums);
-        let s0 = rows.as_ptr();
-        for span in seq.pages() {
-            for (i, g) in kv_heads.clone().enumerate() {
-                let at = g * head_dim;
-                let o0 = out.as_mut_ptr().add(i * group * head_dim);
-                let mut h = 0;
-                while h < group {
-                    let n = HEADS.min(group - h);
-                    let (sh, oh) = (s0.add((i * group + h) * len), o0.add(h * head_dim));
-                    let span = span.clone();
-                    match n {
-                        1 => seq.values::<1>(at, span, sh, oh),
-                        2 => seq.values::<2>(at, span, sh, oh),
-                        3 => seq.values::<3>(at, span, sh, oh),
-                        _ => seq.values::<4>(at, span, sh, oh),
-                    }
-                    h += n;
-                }
-            }
-        }
-        for (o, sum) in out.chunks_exact_mut(head_dim).zip(sums.iter()) {
-            let inv = _mm256_set1_ps(1.0 / *sum);
-            for c in o.chunks_exact_mut(8) {
-                _mm256_storeu_ps(
-                    c.as_mut_ptr(),
-                    _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), inv),
-                );
-            }
-        }
-    }
+    // SAFETY: the caller's contract is `sweep`'s; the target features are enabled here.
+    unsafe { sweep::<E, Avx2>(&seq, n_heads / n_kv_heads, kv_heads, q, scores, out) }
 }
 
 /// `s[j] = exp(s[j] - max)`, eight at a time (the portable kernel's operations: `exp::exp`'s
@@ -235,51 +176,23 @@ pub(crate) unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
     crate::kernels::ops::silu_mul_scalar(&mut gate[n..], &up[n..]);
 }
 
-/// Query heads that share one pass over K or V: 4 heads' two accumulators, two widened KV
-/// chunks and the broadcast weights fit AVX2's 16 registers.
-const HEADS: usize = 4;
-
-/// One sequence's KV as the attention reads it: `len` positions in pages of `page_size`.
-struct Seq<'a, E> {
-    blocks: &'a dyn Fn(usize, bool) -> *const E,
-    page_size: usize,
-    kv_dim: usize,
-    head_dim: usize,
-    len: usize,
-}
-
-impl<E: KvElem> Seq<'_, E> {
-    /// The positions of each page in turn.
-    fn pages(&self) -> impl Iterator<Item = std::ops::Range<usize>> + use<'_, E> {
-        (0..self.len.div_ceil(self.page_size))
-            .map(|p| p * self.page_size..self.len.min((p + 1) * self.page_size))
-    }
-
-    /// The K (`v = false`) or V row of position `j` for the head whose first element is
-    /// `at`; each next position of the page is `kv_dim` elements further on. (The callers
-    /// loop over a page's rows themselves; see `avx512/attend.rs` for why not a closure.)
-    #[inline(always)]
-    unsafe fn row(&self, v: bool, at: usize, j: usize) -> *const E {
-        // SAFETY (of the offset): every slot of a block is in it (the caller's contract).
-        unsafe { (self.blocks)(j / self.page_size, v).add((j % self.page_size) * self.kv_dim + at) }
-    }
-
+impl<E: KvElem> Tiles<E> for Avx2 {
     /// `s[h * len + j]` = the scaled score of query head `h` (at `q + h * head_dim`) for
     /// every position `j` of `span` (within one page): a 16-lane dot and the fixed tree, as
     /// `attention::attend_kernel`.
     #[inline(always)]
     unsafe fn scores<const H: usize>(
-        &self,
+        seq: &Seq<'_, E>,
         at: usize,
         span: std::ops::Range<usize>,
         q: *const f32,
         s: *mut f32,
     ) {
-        let (head_dim, len) = (self.head_dim, self.len);
+        let (head_dim, len) = (seq.head_dim, seq.len);
         let scale = 1.0 / (head_dim as f32).sqrt();
         // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
         unsafe {
-            let mut k = self.row(false, at, span.start);
+            let mut k = seq.row(false, at, span.start);
             for j in span {
                 let mut lo = [_mm256_setzero_ps(); H];
                 let mut hi = [_mm256_setzero_ps(); H];
@@ -296,7 +209,7 @@ impl<E: KvElem> Seq<'_, E> {
                 for h in 0..H {
                     *s.add(h * len + j) = hsum(lo[h], hi[h]) * scale;
                 }
-                k = k.wrapping_add(self.kv_dim);
+                k = k.wrapping_add(seq.kv_dim);
             }
         }
     }
@@ -309,13 +222,13 @@ impl<E: KvElem> Seq<'_, E> {
     /// read the page's rows from L1, not the whole sequence's from memory once per pass.
     #[inline(always)]
     unsafe fn values<const H: usize>(
-        &self,
+        seq: &Seq<'_, E>,
         at: usize,
         span: std::ops::Range<usize>,
         p: *const f32,
         o: *mut f32,
     ) {
-        let (head_dim, len) = (self.head_dim, self.len);
+        let (head_dim, len) = (seq.head_dim, seq.len);
         // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `o` H heads.
         unsafe {
             let mut c = 0;
@@ -328,7 +241,7 @@ impl<E: KvElem> Seq<'_, E> {
                         hi[h] = _mm256_loadu_ps(o.add(h * head_dim + c + 8));
                     }
                 }
-                let mut v = self.row(true, at + c, span.start);
+                let mut v = seq.row(true, at + c, span.start);
                 for j in span.clone() {
                     let (vl, vh) = (E::load8(v), E::load8(v.add(8)));
                     for h in 0..H {
@@ -336,7 +249,7 @@ impl<E: KvElem> Seq<'_, E> {
                         lo[h] = _mm256_fmadd_ps(w, vl, lo[h]);
                         hi[h] = _mm256_fmadd_ps(w, vh, hi[h]);
                     }
-                    v = v.wrapping_add(self.kv_dim);
+                    v = v.wrapping_add(seq.kv_dim);
                 }
                 for h in 0..H {
                     _mm256_storeu_ps(o.add(h * head_dim + c), lo[h]);
@@ -345,5 +258,11 @@ impl<E: KvElem> Seq<'_, E> {
                 c += 16;
             }
         }
+    }
+
+    #[inline(always)]
+    unsafe fn numerators(s: &mut [f32]) {
+        // SAFETY: the instruction set is available (the trait's contract).
+        unsafe { numerators(s) }
     }
 }

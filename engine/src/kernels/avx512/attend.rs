@@ -4,7 +4,11 @@
 use std::arch::x86_64::*;
 
 use super::hsum;
+use crate::kernels::attention::sweep::{Seq, Tiles, sweep};
 use crate::kernels::exp;
+
+/// The AVX-512 tiles of the shared sweep.
+pub struct Avx512;
 
 /// Where one KV head of one token lives: a pointer to `head_dim` elements.
 pub trait KvElem: Copy {
@@ -36,14 +40,14 @@ impl KvElem for f32 {
 /// then the fixed tree; softmax in position order; V accumulated by one fused multiply-add
 /// per element in position order).
 ///
-/// Query heads go in blocks of up to [`HEADS`] that share each K and V row: a row is widened
+/// The walk over the pages is the shared `attention::sweep`; these are its register tiles.
+/// Query heads go in blocks of up to four that share each K and V row: a row is widened
 /// from f16 once per block (the first version widened it once per query head, and ran the
 /// softmax's `exp` one element at a time: half the AVX2 kernel's speed on the same core).
 ///
-/// The pages go in turn, every KV head of a page before the next page, so each page's K and
-/// V blocks are read front to back while they are in cache; the softmax's max is vector
-/// wide and its sums run side by side (`attention::sums_in_position_order`). 1.93 -> 0.94 ms
-/// per decode token at a 480-token context, all 30 layers, on a Sapphire Rapids core.
+/// The softmax's max is vector wide (its numerators are [`numerators`]). With the sweep's
+/// page order: 1.93 -> 0.94 ms per decode token at a 480-token context, all 30 layers, on a
+/// Sapphire Rapids core.
 ///
 /// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
 ///
@@ -66,77 +70,15 @@ pub unsafe fn attend<E: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let group = n_heads / n_kv_heads;
-    let heads = kv_heads.len() * group;
-    let len = pos + 1;
-    // Every head's scores, then their sums' place.
-    scores.resize(heads * len + heads, 0.0);
     let seq = Seq {
         blocks,
         page_size,
         kv_dim,
         head_dim,
-        len,
+        len: pos + 1,
     };
-    // SAFETY: pointers stay inside the blocks, `q`, `scores` and `out` per the contract.
-    unsafe {
-        let (rows, sums) = scores.split_at_mut(heads * len);
-        let s0 = rows.as_mut_ptr();
-        // Page by page, every KV head of a page before the next page: a page's K (or V)
-        // block is read whole while it is in cache, front to back.
-        for span in seq.pages() {
-            for (i, g) in kv_heads.clone().enumerate() {
-                let at = g * head_dim;
-                let q0 = q.as_ptr().add(g * group * head_dim);
-                let mut h = 0;
-                while h < group {
-                    let n = HEADS.min(group - h);
-                    let (qh, sh) = (q0.add(h * head_dim), s0.add((i * group + h) * len));
-                    let span = span.clone();
-                    match n {
-                        1 => seq.scores::<1>(at, span, qh, sh),
-                        2 => seq.scores::<2>(at, span, qh, sh),
-                        3 => seq.scores::<3>(at, span, qh, sh),
-                        _ => seq.scores::<4>(at, span, qh, sh),
-                    }
-                    h += n;
-                }
-            }
-        }
-        for row in rows.chunks_exact_mut(len) {
-            numerators(row);
-        }
-        crate::kernels::attention::sums_in_position_order(rows, len, sums);
-        let s0 = rows.as_ptr();
-        for span in seq.pages() {
-            for (i, g) in kv_heads.clone().enumerate() {
-                let at = g * head_dim;
-                let o0 = out.as_mut_ptr().add(i * group * head_dim);
-                let mut h = 0;
-                while h < group {
-                    let n = HEADS.min(group - h);
-                    let (sh, oh) = (s0.add((i * group + h) * len), o0.add(h * head_dim));
-                    let span = span.clone();
-                    match n {
-                        1 => seq.values::<1>(at, span, sh, oh),
-                        2 => seq.values::<2>(at, span, sh, oh),
-                        3 => seq.values::<3>(at, span, sh, oh),
-                        _ => seq.values::<4>(at, span, sh, oh),
-                    }
-                    h += n;
-                }
-            }
-        }
-        for (o, sum) in out.chunks_exact_mut(head_dim).zip(sums.iter()) {
-            let inv = _mm512_set1_ps(1.0 / *sum);
-            for c in o.chunks_exact_mut(16) {
-                _mm512_storeu_ps(
-                    c.as_mut_ptr(),
-                    _mm512_mul_ps(_mm512_loadu_ps(c.as_ptr()), inv),
-                );
-            }
-        }
-    }
+    // SAFETY: the caller's contract is `sweep`'s; the target features are enabled here.
+    unsafe { sweep::<E, Avx512>(&seq, n_heads / n_kv_heads, kv_heads, q, scores, out) }
 }
 
 /// `s[j] = exp(s[j] - max)`, sixteen at a time (the portable kernel's operations:
@@ -207,57 +149,23 @@ pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
     }
 }
 
-/// Query heads that share one pass over K or V: 4 heads x 4 chunks of V's accumulators, the
-/// 4 widened chunks and a broadcast weight fit the 32 registers.
-const HEADS: usize = 4;
-
-/// Sixteen-lane chunks of a head that V's accumulators hold in registers at once.
-const CHUNKS: usize = 4;
-
-/// One sequence's KV as the attention reads it: `len` positions in pages of `page_size`.
-struct Seq<'a, E> {
-    blocks: &'a dyn Fn(usize, bool) -> *const E,
-    page_size: usize,
-    kv_dim: usize,
-    head_dim: usize,
-    len: usize,
-}
-
-impl<E: KvElem> Seq<'_, E> {
-    /// The positions of each page in turn.
-    fn pages(&self) -> impl Iterator<Item = std::ops::Range<usize>> + use<'_, E> {
-        (0..self.len.div_ceil(self.page_size))
-            .map(|p| p * self.page_size..self.len.min((p + 1) * self.page_size))
-    }
-
-    /// The K (`v = false`) or V row of position `j` for the head whose first element is
-    /// `at`; each next position of the page is `kv_dim` elements further on.
-    ///
-    /// The callers loop over a page's rows themselves: a closure called for every row was
-    /// not inlined where its body grew, and compiled without the caller's target features,
-    /// its intrinsics became function calls (4x slower).
-    #[inline(always)]
-    unsafe fn row(&self, v: bool, at: usize, j: usize) -> *const E {
-        // SAFETY (of the offset): every slot of a block is in it (the caller's contract).
-        unsafe { (self.blocks)(j / self.page_size, v).add((j % self.page_size) * self.kv_dim + at) }
-    }
-
+impl<E: KvElem> Tiles<E> for Avx512 {
     /// `s[h * len + j]` = the scaled score of query head `h` (at `q + h * head_dim`) for
     /// every position `j` of `span` (within one page): 16-lane FMAs over the head's chunks
     /// and the fixed tree.
     #[inline(always)]
     unsafe fn scores<const H: usize>(
-        &self,
+        seq: &Seq<'_, E>,
         at: usize,
         span: std::ops::Range<usize>,
         q: *const f32,
         s: *mut f32,
     ) {
-        let (head_dim, len) = (self.head_dim, self.len);
+        let (head_dim, len) = (seq.head_dim, seq.len);
         let scale = 1.0 / (head_dim as f32).sqrt();
         // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
         unsafe {
-            let mut k = self.row(false, at, span.start);
+            let mut k = seq.row(false, at, span.start);
             for j in span {
                 let mut acc = [_mm512_setzero_ps(); H];
                 let mut c = 0;
@@ -272,7 +180,7 @@ impl<E: KvElem> Seq<'_, E> {
                 for h in 0..H {
                     *s.add(h * len + j) = hsum(acc[h]) * scale;
                 }
-                k = k.wrapping_add(self.kv_dim);
+                k = k.wrapping_add(seq.kv_dim);
             }
         }
     }
@@ -283,23 +191,23 @@ impl<E: KvElem> Seq<'_, E> {
     /// wait in `o` between pages (a store and a load change no bit).
     #[inline(always)]
     unsafe fn values<const H: usize>(
-        &self,
+        seq: &Seq<'_, E>,
         at: usize,
         span: std::ops::Range<usize>,
         p: *const f32,
         o: *mut f32,
     ) {
-        let chunks = self.head_dim / 16;
+        let chunks = seq.head_dim / 16;
         // SAFETY: as `values_chunks`.
         unsafe {
             let mut c = 0;
             while c < chunks {
                 let n = CHUNKS.min(chunks - c);
                 if n == CHUNKS {
-                    self.values_chunks::<H, CHUNKS>(at, c * 16, span.clone(), p, o);
+                    values_chunks::<E, H, CHUNKS>(seq, at, c * 16, span.clone(), p, o);
                 } else {
                     for k in 0..n {
-                        self.values_chunks::<H, 1>(at, (c + k) * 16, span.clone(), p, o);
+                        values_chunks::<E, H, 1>(seq, at, (c + k) * 16, span.clone(), p, o);
                     }
                 }
                 c += n;
@@ -307,45 +215,55 @@ impl<E: KvElem> Seq<'_, E> {
         }
     }
 
-    /// [`Seq::values`] for `C` chunks from element `dim`, their sums in registers.
     #[inline(always)]
-    unsafe fn values_chunks<const H: usize, const C: usize>(
-        &self,
-        at: usize,
-        dim: usize,
-        span: std::ops::Range<usize>,
-        p: *const f32,
-        o: *mut f32,
-    ) {
-        let (head_dim, len) = (self.head_dim, self.len);
-        // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `o` H heads.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); C]; H];
-            if span.start > 0 {
-                for h in 0..H {
-                    for c in 0..C {
-                        acc[h][c] = _mm512_loadu_ps(o.add(h * head_dim + dim + c * 16));
-                    }
-                }
-            }
-            let mut v = self.row(true, at + dim, span.start);
-            for j in span {
-                let mut vc = [_mm512_setzero_ps(); C];
-                for c in 0..C {
-                    vc[c] = E::load16(v.add(c * 16));
-                }
-                for h in 0..H {
-                    let w = _mm512_set1_ps(*p.add(h * len + j));
-                    for c in 0..C {
-                        acc[h][c] = _mm512_fmadd_ps(w, vc[c], acc[h][c]);
-                    }
-                }
-                v = v.wrapping_add(self.kv_dim);
-            }
+    unsafe fn numerators(s: &mut [f32]) {
+        // SAFETY: the instruction set is available (the trait's contract).
+        unsafe { numerators(s) }
+    }
+}
+
+/// Sixteen-lane chunks of a head that V's accumulators hold in registers at once: 4 heads x 4
+/// chunks, the 4 widened chunks and a broadcast weight fit the 32 registers.
+const CHUNKS: usize = 4;
+
+/// [`Tiles::values`] for `C` chunks from element `dim`, their sums in registers.
+#[inline(always)]
+unsafe fn values_chunks<E: KvElem, const H: usize, const C: usize>(
+    seq: &Seq<'_, E>,
+    at: usize,
+    dim: usize,
+    span: std::ops::Range<usize>,
+    p: *const f32,
+    o: *mut f32,
+) {
+    let (head_dim, len) = (seq.head_dim, seq.len);
+    // SAFETY: rows hold `head_dim` elements; `p` holds H rows of `len`, `o` H heads.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); C]; H];
+        if span.start > 0 {
             for h in 0..H {
                 for c in 0..C {
-                    _mm512_storeu_ps(o.add(h * head_dim + dim + c * 16), acc[h][c]);
+                    acc[h][c] = _mm512_loadu_ps(o.add(h * head_dim + dim + c * 16));
                 }
+            }
+        }
+        let mut v = seq.row(true, at + dim, span.start);
+        for j in span {
+            let mut vc = [_mm512_setzero_ps(); C];
+            for c in 0..C {
+                vc[c] = E::load16(v.add(c * 16));
+            }
+            for h in 0..H {
+                let w = _mm512_set1_ps(*p.add(h * len + j));
+                for c in 0..C {
+                    acc[h][c] = _mm512_fmadd_ps(w, vc[c], acc[h][c]);
+                }
+            }
+            v = v.wrapping_add(seq.kv_dim);
+        }
+        for h in 0..H {
+            for c in 0..C {
+                _mm512_storeu_ps(o.add(h * head_dim + dim + c * 16), acc[h][c]);
             }
         }
     }
