@@ -11,6 +11,7 @@ use half::slice::HalfFloatSliceExt;
 
 use super::{LANES, dot};
 
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod sweep;
 
 /// Shape of the attention.
