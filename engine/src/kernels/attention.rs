@@ -30,6 +30,10 @@ pub struct AttnShape {
 pub struct AttnScratch {
     scores: Vec<f32>,
     kv: Vec<f32>,
+    /// The page table and layer this thread attended over last: the same again (the next
+    /// token of a prompt chunk) finds that KV in cache, so the SIMD kernels skip their
+    /// prefetches.
+    last: Option<(usize, usize)>,
 }
 
 /// `out` = attention of `q` (all query heads, already rotated) at `pos`, for the query heads of
@@ -145,6 +149,7 @@ type SimdKernel<E> = unsafe fn(
     std::ops::Range<usize>,
     &[f32],
     usize,
+    bool,
     &mut Vec<f32>,
     &mut [f32],
 );
@@ -162,6 +167,8 @@ fn attend_simd<E>(
     let blocks = |i: usize, v: bool| {
         view(pool.block(pages[i], layer, v)).map_or(std::ptr::null(), <[E]>::as_ptr)
     };
+    let this = (pages.as_ptr() as usize, layer);
+    let cold = scratch.last.replace(this) != Some(this);
     // SAFETY: the caller chose `kernel` for the instruction set `isa()` detected and checked
     // its shape conditions (head_dim a multiple of 16 and at most 256, the group bound); the
     // engine checked that the page table covers `pos`; `kv_heads` is within the layout and
@@ -178,6 +185,7 @@ fn attend_simd<E>(
             kv_heads,
             q,
             pos,
+            cold,
             &mut scratch.scores,
             out,
         )

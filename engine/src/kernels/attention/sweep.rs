@@ -19,6 +19,8 @@ pub(crate) struct Seq<'a, E> {
     pub kv_dim: usize,
     pub head_dim: usize,
     pub len: usize,
+    /// The KV is likely not in cache: prefetch each page's blocks a page ahead.
+    pub cold: bool,
 }
 
 impl<E> Seq<'_, E> {
@@ -50,12 +52,13 @@ impl<E> Seq<'_, E> {
     /// A sequence's pages lie anywhere in the pool, and one layer's block of a page (6 KB
     /// for SmolLM2's f16 KV) is too short for the hardware prefetcher to ramp up in; every
     /// block started with a full memory latency. Decode at batch 4 after 400 tokens, one
-    /// Sapphire Rapids core: 155-166 -> 182-187 tok/s (every fourth line only: 161-170;
-    /// prefill, whose KV is in cache, within its noise). A prefetch never faults, so no
-    /// bound check.
+    /// Sapphire Rapids core: 155-166 -> 182-187 tok/s (every fourth line only: 161-170).
+    /// Not when `cold` is false: a prompt chunk's next token finds its KV in cache, and the
+    /// prefetches cost prefill 283-305 against 300-312 tok/s. A prefetch never faults, so
+    /// no bound check.
     #[inline(always)]
     fn prefetch(&self, page: usize, v: bool) {
-        if page * self.page_size >= self.len {
+        if !self.cold || page * self.page_size >= self.len {
             return;
         }
         let block = (self.blocks)(page, v).cast::<i8>();

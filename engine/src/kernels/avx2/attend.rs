@@ -49,7 +49,8 @@ impl KvElem for f32 {
 ///
 /// The softmax's max is vector wide (its numerators are [`numerators`]).
 ///
-/// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page.
+/// `blocks(page_index, v)` gives the K (`v = false`) or V block of the sequence's page;
+/// `cold`: the KV is likely not in cache (the sweep prefetches it a page ahead).
 ///
 /// # Safety
 /// `head_dim` is a multiple of 16 and at most 256; every block holds `page_size * kv_dim`
@@ -67,6 +68,7 @@ pub unsafe fn attend<E: KvElem>(
     kv_heads: std::ops::Range<usize>,
     q: &[f32],
     pos: usize,
+    cold: bool,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -76,6 +78,7 @@ pub unsafe fn attend<E: KvElem>(
         kv_dim,
         head_dim,
         len: pos + 1,
+        cold,
     };
     // SAFETY: the caller's contract is `sweep`'s; the target features are enabled here.
     unsafe { sweep::<E, Avx2>(&seq, n_heads / n_kv_heads, kv_heads, q, scores, out) }
