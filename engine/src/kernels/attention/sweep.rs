@@ -6,6 +6,7 @@
 //! that share each widened K or V row; then the softmax's numerators per head, their sums in
 //! position order side by side ([`super::sums_in_position_order`]), the weighted sum of V
 //! (the sums wait in `out` between pages: a store and a load change no bit) and the division.
+//! Where the KV is likely cold, each page's next block is prefetched while the page computes.
 
 /// Query heads that share one pass over K or V: 4 heads' accumulators, the widened KV chunks
 /// and the broadcast weights fit AVX2's 16 registers (and AVX-512's 32 with whole heads of 64).
@@ -44,9 +45,7 @@ impl<E> Seq<'_, E> {
         // SAFETY: per the contract.
         unsafe { (self.blocks)(j / self.page_size, v).add((j % self.page_size) * self.kv_dim + at) }
     }
-}
 
-impl<E> Seq<'_, E> {
     /// Asks for page `page`'s whole K (`v = false`) or V block, a page ahead of its use.
     ///
     /// A sequence's pages lie anywhere in the pool, and one layer's block of a page (6 KB
