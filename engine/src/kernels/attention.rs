@@ -277,6 +277,7 @@ fn attend_kernel(
 /// after another, every add waited for the one before it (four cycles), and the two chains,
 /// max and sum, were half of a decode token's attention. Independent rows side by side keep
 /// the adders busy without changing any row's order.
+#[cfg(target_arch = "x86_64")]
 pub(super) fn sums_in_position_order(rows: &[f32], len: usize, sums: &mut [f32]) {
     #[inline(always)]
     fn block<const N: usize>(rows: &[f32], len: usize, sums: &mut [f32]) {
