@@ -292,7 +292,7 @@ pub(super) fn sums_in_position_order(rows: &[f32], len: usize, sums: &mut [f32])
     let mut r = 0;
     while r < sums.len() {
         let (rows, sums) = (&rows[r * len..], &mut sums[r..]);
-        let n = (sums.len()).min(8);
+        let n = sums.len().min(8);
         match n {
             1 => block::<1>(rows, len, sums),
             2 => block::<2>(rows, len, sums),

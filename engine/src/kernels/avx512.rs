@@ -15,11 +15,21 @@ pub use attend::attend;
 #[cfg(test)]
 pub(crate) use attend::exp16;
 
-/// Tokens per register tile in the many-token kernel: 4 rows x 4 tokens. At 4 x 5 the 20
-/// accumulators, 4 weight vectors and the token vector should fit the 32 registers, but
+/// The many-token kernel's register tile for a decode batch: 4 rows x 4 tokens. At 4 x 5 the
+/// 20 accumulators, 4 weight vectors and the token vector should fit the 32 registers, but
 /// the compiler spilled accumulators (48 GMAC/s against 81 at 4 x 4, 32 tokens of a
-/// 576-column matrix on a Sapphire Rapids core).
-const TOKENS_MANY: usize = 4;
+/// 576-column matrix on a Sapphire Rapids core); so did 8 x 3 and 6 x 4.
+const BATCH_TILE: (usize, usize) = (4, 4);
+
+/// The tile for a prompt chunk (from [`CHUNK_FROM`] tokens): 8 rows x 2 tokens. Each token
+/// vector, which comes from L2 once a chunk's activations outgrow L1, serves 8 rows instead
+/// of 4 (512-token prefill 316-350 -> 362-368 tok/s, interleaved); at a decode batch's 8
+/// tokens it was slower (215-230 against 247-253 tok/s: twice the dequantized weights per
+/// tile against few tokens).
+const CHUNK_TILE: (usize, usize) = (8, 2);
+
+/// Tokens from which [`rows_many`] takes [`CHUNK_TILE`].
+const CHUNK_FROM: usize = 64;
 
 /// Columns of the many-token kernel's span: 4 rows and 4 tokens of them (24 KB) stay in
 /// L1 while the span lasts. A whole row of the FFN's down projection (1,536 columns) did
@@ -153,7 +163,7 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     }
 }
 
-/// A tile over f32 weights already dequantized into `wbuf` (4 rows of `cols`), columns
+/// A tile over f32 weights already dequantized into `wbuf` (`R` rows of `cols`), columns
 /// `span` of them: the same accumulation sequence as [`tile`] (16-lane chunks in increasing
 /// `k`), so the bits match. The sums continue from `carry` unless `span` starts at column 0,
 /// and go back to it unless `span` ends the row, where their trees are written to `out`
@@ -161,34 +171,30 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
 /// and not written.
 ///
 /// # Safety
-/// `wbuf` holds `4 * cols` f32, each `xs[j]` `cols` f32, `carry` `4 * T` vectors, `out`
+/// `wbuf` holds `R * cols` f32, each `xs[j]` `cols` f32, `carry` `R * T` vectors, `out`
 /// every written index; AVX-512F.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_f32<const T: usize>(
+unsafe fn tile_f32<const R: usize, const T: usize>(
     wbuf: *const f32,
     cols: usize,
     span: std::ops::Range<usize>,
     rows: usize,
-    xs: [*const f32; TOKENS_MANY],
+    xs: [*const f32; 4],
     carry: *mut __m512,
     out: *mut f32,
     out_stride: usize,
 ) {
     // SAFETY: per the function contract.
     unsafe {
-        let w: [*const f32; 4] = [
-            wbuf,
-            wbuf.add(if rows > 1 { cols } else { 0 }),
-            wbuf.add(if rows > 2 { 2 * cols } else { 0 }),
-            wbuf.add(if rows > 3 { 3 * cols } else { 0 }),
-        ];
+        let w: [*const f32; R] =
+            std::array::from_fn(|i| wbuf.add(if rows > i { i * cols } else { 0 }));
         // Indexed by constants only (`T` and 4 are compile-time): the accumulators stay in
         // registers. (A version that chose the rows at run time kept them on the stack:
         // 40 % of the peak instead of 60 %.)
-        let mut acc = [[_mm512_setzero_ps(); T]; 4];
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
         if span.start > 0 {
-            for i in 0..4 {
+            for i in 0..R {
                 for j in 0..T {
                     acc[i][j] = *carry.add(i * T + j);
                 }
@@ -196,20 +202,20 @@ unsafe fn tile_f32<const T: usize>(
         }
         let mut k = span.start;
         while k < span.end {
-            let mut v = [_mm512_setzero_ps(); 4];
-            for i in 0..4 {
+            let mut v = [_mm512_setzero_ps(); R];
+            for i in 0..R {
                 v[i] = _mm512_loadu_ps(w[i].add(k));
             }
             for j in 0..T {
                 let x = _mm512_loadu_ps(xs[j].add(k));
-                for i in 0..4 {
+                for i in 0..R {
                     acc[i][j] = _mm512_fmadd_ps(v[i], x, acc[i][j]);
                 }
             }
             k += 16;
         }
         if span.end < cols {
-            for i in 0..4 {
+            for i in 0..R {
                 for j in 0..T {
                     *carry.add(i * T + j) = acc[i][j];
                 }
@@ -224,9 +230,10 @@ unsafe fn tile_f32<const T: usize>(
     }
 }
 
-/// Like [`rows`], for many tokens: each tile of 4 rows is dequantized once into an L1-sized
-/// f32 buffer and then swept over the tokens [`TOKENS_MANY`] at a time, [`K_SPAN`] columns
-/// at a time. Same bits as [`rows`].
+/// Like [`rows`], for many tokens: each tile of rows is dequantized once into an L1-sized
+/// f32 buffer and then swept over the tokens a register tile at a time, [`K_SPAN`] columns
+/// at a time ([`BATCH_TILE`], or [`CHUNK_TILE`] for a prompt chunk). Same bits as [`rows`]
+/// whatever the tile.
 ///
 /// # Safety
 /// As for [`rows`].
@@ -242,14 +249,50 @@ pub unsafe fn rows_many<B: Block>(
     out: &mut [f32],
     out_stride: usize,
 ) {
+    const B_R: usize = BATCH_TILE.0;
+    const B_T: usize = BATCH_TILE.1;
+    const C_R: usize = CHUNK_TILE.0;
+    const C_T: usize = CHUNK_TILE.1;
+    // SAFETY: the caller's contract is the sweep's.
+    unsafe {
+        if tokens >= CHUNK_FROM {
+            sweep_many::<B, C_R, C_T>(w, cols, first, n, x, tokens, out, out_stride)
+        } else {
+            sweep_many::<B, B_R, B_T>(w, cols, first, n, x, tokens, out, out_stride)
+        }
+    }
+}
+
+/// [`rows_many`] with tiles of `R` rows and up to `T` (at most 4) tokens.
+///
+/// # Safety
+/// As for [`rows`].
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    first: usize,
+    n: usize,
+    x: &[f32],
+    tokens: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
     // 64-byte aligned: a 16-lane load across two cache lines costs two (the allocator
     // aligns to 16 bytes).
-    let mut wbuf = vec![0f32; 4 * cols + 16];
+    let mut wbuf = vec![0f32; R * cols + 16];
     let skip = wbuf.as_ptr().align_offset(64).min(16);
-    // Each token group's sums between column spans.
-    let mut carry = vec![_mm512_setzero_ps(); tokens.div_ceil(TOKENS_MANY) * 4 * TOKENS_MANY];
+    // Each token group's sums between column spans; a row of one span carries nothing, so
+    // the common shapes (576 columns) allocate no buffer on this per-product path.
+    let carried = if cols > K_SPAN {
+        tokens.div_ceil(T) * R * T
+    } else {
+        0
+    };
+    let mut carry = vec![_mm512_setzero_ps(); carried];
     let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
     let (wp, cp) = (wbuf[skip..].as_mut_ptr(), carry.as_mut_ptr());
     // SAFETY: every pointer below stays inside `w`, `x`, `out`, `wbuf` and `carry` per the
@@ -258,7 +301,7 @@ pub unsafe fn rows_many<B: Block>(
         let tok = |t: usize| xb.add(t * cols);
         let mut r = 0;
         while r < n {
-            let tile_rows = (n - r).min(4);
+            let tile_rows = (n - r).min(R);
             for i in 0..tile_rows {
                 let row = base.add((first + r + i) * rb);
                 for b in 0..blocks {
@@ -269,9 +312,9 @@ pub unsafe fn rows_many<B: Block>(
             }
             // The next tile's rows come from memory while this one computes (its dequantizing
             // loop above otherwise waits for them; a prefetch past the end never faults).
-            let next = base.wrapping_add((first + r + 4) * rb);
+            let next = base.wrapping_add((first + r + R) * rb);
             let mut b = 0;
-            while b < 4 * rb {
+            while b < R * rb {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b).cast());
                 b += 64;
             }
@@ -280,16 +323,18 @@ pub unsafe fn rows_many<B: Block>(
                 let span = k..cols.min(k + K_SPAN);
                 let mut t = 0;
                 while t < tokens {
-                    let group = (tokens - t).min(TOKENS_MANY);
+                    let group = (tokens - t).min(T);
                     let o = ob.add(t * out_stride + r);
                     let xs = std::array::from_fn(|j: usize| tok(t + j.min(group - 1)));
-                    let c = cp.add(t * 4);
+                    // Never read or written where `carry` is empty (one span per row).
+                    let c = cp.wrapping_add(t * R);
                     let span = span.clone();
+                    // `group <= T <= 4`: the arms above `T` are never taken.
                     match group {
-                        4 => tile_f32::<4>(wp, cols, span, tile_rows, xs, c, o, out_stride),
-                        3 => tile_f32::<3>(wp, cols, span, tile_rows, xs, c, o, out_stride),
-                        2 => tile_f32::<2>(wp, cols, span, tile_rows, xs, c, o, out_stride),
-                        _ => tile_f32::<1>(wp, cols, span, tile_rows, xs, c, o, out_stride),
+                        4 => tile_f32::<R, 4>(wp, cols, span, tile_rows, xs, c, o, out_stride),
+                        3 => tile_f32::<R, 3>(wp, cols, span, tile_rows, xs, c, o, out_stride),
+                        2 => tile_f32::<R, 2>(wp, cols, span, tile_rows, xs, c, o, out_stride),
+                        _ => tile_f32::<R, 1>(wp, cols, span, tile_rows, xs, c, o, out_stride),
                     }
                     t += group;
                 }
