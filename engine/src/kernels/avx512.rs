@@ -15,21 +15,22 @@ pub use attend::attend;
 #[cfg(test)]
 pub(crate) use attend::exp16;
 
-/// The many-token kernel's register tile for a decode batch: 4 rows x 4 tokens. At 4 x 5 the
-/// 20 accumulators, 4 weight vectors and the token vector should fit the 32 registers, but
-/// the compiler spilled accumulators (48 GMAC/s against 81 at 4 x 4, 32 tokens of a
-/// 576-column matrix on a Sapphire Rapids core); so did 8 x 3 and 6 x 4.
-const BATCH_TILE: (usize, usize) = (4, 4);
+/// The many-token kernel's register tile for a few tokens (below [`TALL_FROM`]): 4 rows x 4
+/// tokens. At 4 x 5 the 20 accumulators, 4 weight vectors and the token vector should fit
+/// the 32 registers, but the compiler spilled accumulators (48 GMAC/s against 81 at 4 x 4,
+/// 32 tokens of a 576-column matrix on a Sapphire Rapids core); so did 8 x 3 and 6 x 4.
+const SHORT_TILE: (usize, usize) = (4, 4);
 
-/// The tile for a prompt chunk (from [`CHUNK_FROM`] tokens): 8 rows x 2 tokens. Each token
-/// vector, which comes from L2 once a chunk's activations outgrow L1, serves 8 rows instead
-/// of 4 (512-token prefill 316-350 -> 362-368 tok/s, interleaved); at a decode batch's 8
-/// tokens it was slower (215-230 against 247-253 tok/s: twice the dequantized weights per
-/// tile against few tokens).
-const CHUNK_TILE: (usize, usize) = (8, 2);
+/// The tile from [`TALL_FROM`] tokens: 8 rows x 2 tokens. Each token vector, which comes
+/// from L2 once the tokens' activations outgrow L1 (32 tokens of 576 columns: 73 KB), serves
+/// 8 rows instead of 4. On a Sapphire Rapids core, 3 rounds interleaved: 512-token prefill
+/// 340-364 -> 434-474 tok/s; batch-32 decode 273-276 -> 312-327 (2 threads 472-495 ->
+/// 549-557). At a batch of 8 it was slower (215-230 against 247-253 tok/s: twice the
+/// dequantized weights per tile for few tokens).
+const TALL_TILE: (usize, usize) = (8, 2);
 
-/// Tokens from which [`rows_many`] takes [`CHUNK_TILE`].
-const CHUNK_FROM: usize = 64;
+/// Tokens from which [`rows_many`] takes [`TALL_TILE`].
+const TALL_FROM: usize = 16;
 
 /// Columns of the many-token kernel's span: 4 rows and 4 tokens of them (24 KB) stay in
 /// L1 while the span lasts. A whole row of the FFN's down projection (1,536 columns) did
@@ -232,7 +233,7 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
 
 /// Like [`rows`], for many tokens: each tile of rows is dequantized once into an L1-sized
 /// f32 buffer and then swept over the tokens a register tile at a time, [`K_SPAN`] columns
-/// at a time ([`BATCH_TILE`], or [`CHUNK_TILE`] for a prompt chunk). Same bits as [`rows`]
+/// at a time ([`SHORT_TILE`], or [`TALL_TILE`] from [`TALL_FROM`] tokens). Same bits as [`rows`]
 /// whatever the tile.
 ///
 /// # Safety
@@ -249,16 +250,16 @@ pub unsafe fn rows_many<B: Block>(
     out: &mut [f32],
     out_stride: usize,
 ) {
-    const B_R: usize = BATCH_TILE.0;
-    const B_T: usize = BATCH_TILE.1;
-    const C_R: usize = CHUNK_TILE.0;
-    const C_T: usize = CHUNK_TILE.1;
+    const S_R: usize = SHORT_TILE.0;
+    const S_T: usize = SHORT_TILE.1;
+    const T_R: usize = TALL_TILE.0;
+    const T_T: usize = TALL_TILE.1;
     // SAFETY: the caller's contract is the sweep's.
     unsafe {
-        if tokens >= CHUNK_FROM {
-            sweep_many::<B, C_R, C_T>(w, cols, first, n, x, tokens, out, out_stride)
+        if tokens >= TALL_FROM {
+            sweep_many::<B, T_R, T_T>(w, cols, first, n, x, tokens, out, out_stride)
         } else {
-            sweep_many::<B, B_R, B_T>(w, cols, first, n, x, tokens, out, out_stride)
+            sweep_many::<B, S_R, S_T>(w, cols, first, n, x, tokens, out, out_stride)
         }
     }
 }

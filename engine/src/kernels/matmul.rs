@@ -456,8 +456,8 @@ mod tests {
                 bytes: &bytes,
             };
             // Few tokens take the streaming tiles; from `MANY_FROM` (3 on AVX2, 8 on
-            // AVX-512) the many-token kernels (every edge of their panels and token groups);
-            // 70 takes AVX-512's prompt-chunk tile.
+            // AVX-512) the many-token kernels (every edge of their panels and token groups;
+            // from 16 tokens AVX-512's taller tile).
             for tokens in (1..12).chain([16, 32, 35, 70]) {
                 let x = random(tokens * cols, 8 + tokens as u64);
                 for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1), (3, 33)] {
