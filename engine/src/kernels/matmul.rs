@@ -457,14 +457,17 @@ mod tests {
             };
             // Few tokens take the streaming tiles; from `MANY_FROM` (3 on AVX2, 8 on
             // AVX-512) the many-token kernels (every edge of their panels and token groups;
-            // from 16 tokens AVX-512's taller tile).
-            for tokens in (1..12).chain([16, 32, 35, 70]) {
+            // from 16 tokens AVX-512's taller tile; 100 tokens of 1,536 columns outgrow its
+            // block of activations: a block of 85, then a short one).
+            for tokens in (1..12).chain([16, 32, 35, 70, 100]) {
                 let x = random(tokens * cols, 8 + tokens as u64);
                 for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1), (3, 33)] {
-                    let mut got = vec![0f32; tokens * n];
-                    rows_strided(w, &x, tokens, first, n, &mut got, n);
-                    let mut want = vec![0f32; tokens * n];
-                    rows_kernel(w, &x, tokens, first, n, &mut want, n);
+                    // A stride wider than the rows, as a piece of a split product has.
+                    let stride = n + 3;
+                    let mut got = vec![0f32; tokens * stride];
+                    rows_strided(w, &x, tokens, first, n, &mut got, stride);
+                    let mut want = vec![0f32; tokens * stride];
+                    rows_kernel(w, &x, tokens, first, n, &mut want, stride);
                     assert_eq!(got, want, "{ty:?} {tokens} tokens, rows {first}+{n}");
                 }
             }
