@@ -55,7 +55,7 @@ for t in sorted({r["threads"] for r in du}):
     frac = [d[r]["b32_gmac_s"] / d[r]["fma_peak_gmac_s"] for r in d]
     print(f"{t:>7}  decode batch 32               {rng(b32)}  = {100*min(frac):.0f}-{100*max(frac):.0f} % of the f32 FMA peak measured in the run")
     bw = [d[r]["b1_weight_gb_s"] / d[r]["memory_read_gb_s"] for r in d]
-    print(f"{t:>7}  decode batch 1 reads its weights at {100*min(bw):.0f}-{100*max(bw):.0f} % of what {t} core(s) read from memory (measured in the run)")
+    print(f"{t:>7}  decode batch 1 reads its weights at {100*min(bw):.0f}-{100*max(bw):.0f} % of what {t} core(s) read cycling through as many bytes (measured in the run)")
 one = {r["round"]: r for r in du if r["threads"] == 1}
 two = {r["round"]: r for r in du if r["threads"] == 2}
 if one and two:
