@@ -241,8 +241,8 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
 
 /// Like [`rows`], for many tokens: each tile of rows is dequantized once into an L1-sized
 /// f32 buffer and then swept over the tokens a register tile at a time, [`K_SPAN`] columns
-/// at a time ([`SHORT_TILE`], or [`TALL_TILE`] from [`TALL_FROM`] tokens). Same bits as [`rows`]
-/// whatever the tile.
+/// at a time ([`SHORT_TILE`], or [`TALL_TILE`] from [`TALL_FROM`] tokens), the tokens in
+/// blocks of [`X_BLOCK_BYTES`]. Same bits as [`rows`] whatever the tile and block.
 ///
 /// # Safety
 /// As for [`rows`].
