@@ -23,7 +23,7 @@ const SHORT_TILE: (usize, usize) = (4, 4);
 
 /// The tile from [`TALL_FROM`] tokens: 8 rows x 2 tokens. Each token vector, which comes
 /// from L2 once the tokens' activations outgrow L1 (32 tokens of 576 columns: 73 KB), serves
-/// 8 rows instead of 4. On a Sapphire Rapids core, 3 rounds interleaved: 512-token prefill
+/// 8 rows instead of 4. On a Xeon core (2 MiB L2), 3 rounds interleaved: 512-token prefill
 /// 340-364 -> 434-474 tok/s; batch-32 decode 273-276 -> 312-327 (2 threads 472-495 ->
 /// 549-557). At a batch of 8 it was slower (215-230 against 247-253 tok/s: twice the
 /// dequantized weights per tile for few tokens).
@@ -32,17 +32,19 @@ const TALL_TILE: (usize, usize) = (8, 2);
 /// Tokens from which [`rows_many`] takes [`TALL_TILE`].
 const TALL_FROM: usize = 16;
 
-/// The activations [`rows_many`] sweeps at once, at most (bytes): a quarter of a Sapphire
-/// Rapids core's L2, so they stay there while every tile passes over them, each block of
-/// tokens dequantizing the weights again. A 512-token chunk's input to the down projection
-/// (1,536 columns: 3 MB) had come from L3 for every tile: 43 -> 54 GMAC/s; 1-thread
-/// prefill 391-403 -> 421-436 tok/s (3 rounds interleaved; at 2 threads, 256 tokens each,
-/// 721-826 -> 767-792: within the noise).
+/// The activations [`rows_many`] sweeps at once, at most (bytes): a quarter of a 2 MiB L2,
+/// so they stay there while every tile passes over them, each block of tokens dequantizing
+/// the weights again. A 512-token chunk's input to the down projection (1,536 columns:
+/// 3 MB) had come from L3 for every tile: 43 -> 54 GMAC/s; 1-thread prefill 391-403 ->
+/// 421-436 tok/s (3 rounds interleaved; at 2 threads, 256 tokens each, 721-826 -> 767-792:
+/// within the noise).
 const X_BLOCK_BYTES: usize = 512 << 10;
 
-/// Columns of the many-token kernel's span: 4 rows and 4 tokens of them (24 KB) stay in
-/// L1 while the span lasts. A whole row of the FFN's down projection (1,536 columns) did
-/// not (4 rows and 4 tokens, 48 KB: 47 % of the peak against 65 % for 576 columns).
+/// Columns of the many-token kernel's span: 4 rows and 4 tokens of them (24 KB; the tall
+/// tile's 8 rows and 2 tokens, 30 KB) stay in L1 while the span lasts. A whole row of the
+/// FFN's down projection (1,536 columns) did not (4 rows and 4 tokens, 48 KB: 47 % of the
+/// peak against 65 % for 576 columns); spans of 384 and 1,536 with the tall tile were
+/// slower.
 const K_SPAN: usize = 768;
 
 /// From this many tokens the matrix product takes [`rows_many`] (each tile dequantized once
@@ -180,8 +182,8 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
 /// and not written.
 ///
 /// # Safety
-/// `wbuf` holds `R * cols` f32, each `xs[j]` `cols` f32, `carry` `R * T` vectors, `out`
-/// every written index; AVX-512F.
+/// `wbuf` holds `R * cols` f32, each `xs[j]` for `j < T` (at most 4) `cols` f32, `carry`
+/// `R * T` vectors, `out` every written index; AVX-512F.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_f32<const R: usize, const T: usize>(
@@ -198,7 +200,7 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
     unsafe {
         let w: [*const f32; R] =
             std::array::from_fn(|i| wbuf.add(if rows > i { i * cols } else { 0 }));
-        // Indexed by constants only (`T` and 4 are compile-time): the accumulators stay in
+        // Indexed by constants only (`R` and `T` are compile-time): the accumulators stay in
         // registers. (A version that chose the rows at run time kept them on the stack:
         // 40 % of the peak instead of 60 %.)
         let mut acc = [[_mm512_setzero_ps(); T]; R];
