@@ -32,6 +32,9 @@ const TALL_TILE: (usize, usize) = (8, 2);
 /// Tokens from which [`rows_many`] takes [`TALL_TILE`].
 const TALL_FROM: usize = 16;
 
+/// The most tokens a many-token register tile takes (the token pointers it is given).
+const TILE_TOKENS: usize = 4;
+
 /// The activations [`rows_many`] sweeps at once, at most (bytes): a quarter of a 2 MiB L2,
 /// so they stay there while every tile passes over them, each block of tokens dequantizing
 /// the weights again. A 512-token chunk's input to the down projection (1,536 columns:
@@ -182,7 +185,7 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
 /// and not written.
 ///
 /// # Safety
-/// `wbuf` holds `R * cols` f32, each `xs[j]` for `j < T` (at most 4) `cols` f32, `carry`
+/// `wbuf` holds `R * cols` f32, each `xs[j]` for `j < T` (`T <= TILE_TOKENS`) `cols` f32, `carry`
 /// `R * T` vectors, `out` every written index; AVX-512F.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -191,7 +194,7 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
     cols: usize,
     span: std::ops::Range<usize>,
     rows: usize,
-    xs: [*const f32; 4],
+    xs: [*const f32; TILE_TOKENS],
     carry: *mut __m512,
     out: *mut f32,
     out_stride: usize,
@@ -265,7 +268,7 @@ pub unsafe fn rows_many<B: Block>(
     const T_R: usize = TALL_TILE.0;
     const T_T: usize = TALL_TILE.1;
     // Tokens in blocks whose activations stay in L2 while every tile passes over them.
-    let per = (X_BLOCK_BYTES / (cols * 4)).max(TALL_FROM);
+    let per = (X_BLOCK_BYTES / (cols * 4).max(1)).max(TALL_FROM);
     let mut t0 = 0;
     while t0 < tokens {
         let nt = per.min(tokens - t0);
@@ -282,7 +285,7 @@ pub unsafe fn rows_many<B: Block>(
     }
 }
 
-/// [`rows_many`] with tiles of `R` rows and up to `T` (at most 4) tokens.
+/// [`rows_many`] with tiles of `R` rows and up to `T` (at most [`TILE_TOKENS`]) tokens.
 ///
 /// # Safety
 /// As for [`rows`].
@@ -298,6 +301,12 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
     out: &mut [f32],
     out_stride: usize,
 ) {
+    const {
+        assert!(
+            T >= 1 && T <= TILE_TOKENS,
+            "a tile's tokens fit its token pointers"
+        )
+    };
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
     // 64-byte aligned: a 16-lane load across two cache lines costs two (the allocator
@@ -348,7 +357,7 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
                     // Never read or written where `carry` is empty (one span per row).
                     let c = cp.wrapping_add(t * R);
                     let span = span.clone();
-                    // `group <= T <= 4`: the arms above `T` are never taken.
+                    // `group <= T <= TILE_TOKENS` (4): the arms above `T` are never taken.
                     match group {
                         4 => tile_f32::<R, 4>(wp, cols, span, tile_rows, xs, c, o, out_stride),
                         3 => tile_f32::<R, 3>(wp, cols, span, tile_rows, xs, c, o, out_stride),
