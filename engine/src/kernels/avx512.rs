@@ -185,8 +185,8 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
 /// and not written.
 ///
 /// # Safety
-/// `wbuf` holds `R * cols` f32, each `xs[j]` for `j < T` (`T <= TILE_TOKENS`) `cols` f32, `carry`
-/// `R * T` vectors, `out` every written index; AVX-512F.
+/// `wbuf` holds `R * cols` f32, each `xs[j]` for `j < T` (`T <= TILE_TOKENS`) `cols` f32,
+/// `carry` `R * T` vectors, `out` every written index; AVX-512F.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_f32<const R: usize, const T: usize>(
