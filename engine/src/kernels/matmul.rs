@@ -457,7 +457,7 @@ mod tests {
             };
             // Few tokens take the streaming tiles; from `MANY_FROM` (3 on AVX2, 8 on
             // AVX-512) the many-token kernels (every edge of their panels and token groups;
-            // from 16 tokens AVX-512's taller tile; 100 tokens of 1,536 columns outgrow its
+            // from 64 tokens AVX-512's taller tile; 100 tokens of 1,536 columns outgrow its
             // block of activations: a block of 85, then a short one).
             for tokens in (1..12).chain([16, 32, 35, 70, 100]) {
                 let x = random(tokens * cols, 8 + tokens as u64);

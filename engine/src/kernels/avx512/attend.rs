@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::hsum;
+use super::{hsum, tree_halves, tree_quarters};
 use crate::kernels::attention::sweep::{Seq, Tiles, sweep};
 use crate::kernels::exp;
 
@@ -257,20 +257,7 @@ impl<E: KvElem> Tiles<E> for Avx512 {
 unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
     // SAFETY: register-only operations; AVX-512F is enabled by the callers.
     unsafe {
-        // [x's lanes 0..8 | y's 0..8] + [x's 8..16 | y's 8..16]: each 256-bit half the
-        // first step of one vector's tree.
-        let s8 = |x: __m512, y: __m512| {
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
-                _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
-            )
-        };
-        let (ab, cd) = (s8(a, b), s8(c, d));
-        // Each 128-bit lane: one vector's s8[0..4] + s8[4..8].
-        let s4 = _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0b10_00_10_00>(ab, cd),
-            _mm512_shuffle_f32x4::<0b11_01_11_01>(ab, cd),
-        );
+        let s4 = tree_quarters(tree_halves(a, b), tree_halves(c, d));
         // Within each lane: (0 + 2, 1 + 3), then 0 + 1 (`movehl`, then the pair).
         let s2 = _mm512_add_ps(s4, _mm512_shuffle_ps::<0b11_10_11_10>(s4, s4));
         let s1 = _mm512_add_ps(s2, _mm512_shuffle_ps::<0b01_01_01_01>(s2, s2));
