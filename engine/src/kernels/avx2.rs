@@ -172,8 +172,10 @@ const ROWS_ONE_TOKEN: usize = 2;
 ///
 /// # Safety
 /// `w` holds at least `(first + n)` rows of `cols / 32` blocks of `B`; `x` holds
-/// `tokens * cols` f32; `out` holds `tokens * out_stride` f32 with `out_stride >= n`; AVX2
-/// and FMA are available.
+/// `tokens * cols` f32; `out` may be written at `t * out_stride + i` for `t < tokens`,
+/// `i < n` (`out_stride >= n`), and nothing else reads or writes those elements during the
+/// call (the pieces of a split product write one output's disjoint rows at once); AVX2 and
+/// FMA are available.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows<B: Block>(
@@ -183,12 +185,12 @@ pub unsafe fn rows<B: Block>(
     n: usize,
     x: &[f32],
     tokens: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
-    let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+    let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out);
     // SAFETY: every pointer below stays inside `w`, `x` and `out` per the contract.
     unsafe {
         let row = |r: usize| base.add((first + r) * rb);
@@ -290,13 +292,13 @@ pub unsafe fn rows_many<B: Block>(
     n: usize,
     x: &[f32],
     tokens: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
     let mut panel = vec![0f32; PANEL_ROWS * cols];
-    let (base, xb, ob, pp) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr(), panel.as_mut_ptr());
+    let (base, xb, ob, pp) = (w.as_ptr(), x.as_ptr(), out, panel.as_mut_ptr());
     // SAFETY: every pointer below stays inside `w`, `x`, `out` and `panel` per the contract.
     unsafe {
         let tok = |t: usize| xb.add(t * cols);

@@ -337,7 +337,7 @@ pub unsafe fn rows_many<B: Block>(
     n: usize,
     x: &[f32],
     tokens: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     const S_R: usize = SHORT_TILE.0;
@@ -346,14 +346,12 @@ pub unsafe fn rows_many<B: Block>(
     const T_T: usize = TALL_TILE.1;
     // Tokens in blocks whose activations stay in L2 while every tile passes over them.
     let per = (X_BLOCK_BYTES / (cols * 4).max(1)).max(TALL_FROM);
-    // A token vector that starts off a cache line costs two lines per 16-lane load (the
-    // activations' `Vec`s are 16-byte aligned); misaligned blocks are copied to `staged`.
-    let mut staged = Vec::new();
     let mut t0 = 0;
     while t0 < tokens {
         let nt = per.min(tokens - t0);
-        let x = aligned(&x[t0 * cols..(t0 + nt) * cols], &mut staged);
-        let out = &mut out[t0 * out_stride..];
+        let x = &x[t0 * cols..(t0 + nt) * cols];
+        // SAFETY: the block's outputs are inside the caller's.
+        let out = unsafe { out.add(t0 * out_stride) };
         // SAFETY: the caller's contract is the sweep's, for this block of its tokens.
         unsafe {
             if nt >= TALL_FROM {
@@ -364,24 +362,6 @@ pub unsafe fn rows_many<B: Block>(
         }
         t0 += nt;
     }
-}
-
-/// `x` itself where it starts on a 64-byte boundary, else a copy in `staged` (so each token
-/// of a multiple of 16 columns starts on one too). On a Xeon core, 32 tokens' products: 52-57
-/// -> 56-63 GMAC/s (the copy included: 73 KB against 40-170 us of products).
-fn aligned<'a>(x: &'a [f32], staged: &'a mut Vec<__m512>) -> &'a [f32] {
-    if x.as_ptr().align_offset(64) == 0 {
-        return x;
-    }
-    staged.clear();
-    // SAFETY: an all-zero `__m512` is sixteen 0.0 floats.
-    staged.resize(x.len().div_ceil(16), unsafe { std::mem::zeroed() });
-    // SAFETY: `staged` holds at least `x.len()` f32 (16 per vector), a plain-data view of
-    // its vectors, which nothing else borrows while the returned slice lives.
-    let copy =
-        unsafe { std::slice::from_raw_parts_mut(staged.as_mut_ptr().cast::<f32>(), x.len()) };
-    copy.copy_from_slice(x);
-    copy
 }
 
 /// [`rows_many`] with tiles of `R` rows and up to `T` (at most [`TILE_TOKENS`]) tokens.
@@ -397,7 +377,7 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
     n: usize,
     x: &[f32],
     tokens: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     const {
@@ -420,7 +400,7 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
         0
     };
     let mut carry = vec![_mm512_setzero_ps(); carried];
-    let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+    let (base, xb, ob) = (w.as_ptr(), x.as_ptr(), out);
     let (wp, cp) = (wbuf[skip..].as_mut_ptr(), carry.as_mut_ptr());
     // SAFETY: every pointer below stays inside `w`, `x`, `out`, `wbuf` and `carry` per the
     // contract.
@@ -477,7 +457,9 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
 ///
 /// # Safety
 /// `w` holds at least `(first + n)` rows of `cols / 32` blocks of `B`; `x` holds
-/// `tokens * cols` f32; `out` holds `tokens * out_stride` f32 with `out_stride >= n`; AVX-512F
+/// `tokens * cols` f32; `out` may be written at `t * out_stride + i` for `t < tokens`,
+/// `i < n` (`out_stride >= n`), and nothing else reads or writes those elements during the
+/// call (the pieces of a split product write one output's disjoint rows at once); AVX-512F
 /// and F16C are available.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -488,14 +470,14 @@ pub unsafe fn rows<B: Block>(
     n: usize,
     x: &[f32],
     tokens: usize,
-    out: &mut [f32],
+    out: *mut f32,
     out_stride: usize,
 ) {
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
     let base = w.as_ptr();
     let xb = x.as_ptr();
-    let ob = out.as_mut_ptr();
+    let ob = out;
     // SAFETY: every pointer below stays inside `w`, `x` and `out` per the contract.
     unsafe {
         let row = |r: usize| base.add((first + r) * rb);
