@@ -244,12 +244,17 @@ pub fn matmul_group(
         });
         return;
     }
-    // Few tokens: split every matrix's rows into pieces of whole tiles, a few per thread (so
-    // a thread that started late takes fewer); each piece writes its rows of every token
-    // straight into the output (which a `&mut` slice per piece cannot express: the pieces'
-    // rows interleave token by token). Copying them from per-piece scratch after the region
-    // had been a serial 4-5 % of a batch-32 step on two threads.
-    let pieces_per = threads * 4;
+    // Few tokens: split every matrix's rows into one piece of whole tiles per thread (still
+    // claimed, so a thread that starts late takes fewer). Each piece starts its stream of
+    // weights cold: at four pieces per thread (2 threads on a Xeon guest, 6 rounds
+    // interleaved) batch 1 ran at 177-197 tok/s against 195-226 at one, after 480 tokens
+    // 141-162 against 149-174, batch 8 464-517 against 492-523.
+    //
+    // Each piece writes its rows of every token straight into the output (which a `&mut`
+    // slice per piece cannot express: the pieces' rows interleave token by token). Copying
+    // them from per-piece scratch after the region had been a serial 4-5 % of a batch-32
+    // step on two threads.
+    let pieces_per = threads;
     // (matrix, first row, rows) of each piece.
     let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
     for (m, w) in ws.iter().enumerate() {
