@@ -11,6 +11,7 @@
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
 
 /// Frame kinds.
 const DATA: u32 = 1;
@@ -21,6 +22,16 @@ const HELLO: u32 = 4;
 const HEADER: usize = 24;
 /// The fence acknowledgement.
 const ACK: u8 = 0xA5;
+
+/// The longest a sender's connect, send or fence waits without a byte moving. A fence waits
+/// for one byte with nothing of its own left to send: when its peer's socket is gone and the
+/// reset was lost (a host cut off, crashed or rebooted), nothing would ever arrive, and the
+/// sender's lane, with every later transfer to that decode node behind it, would wait for
+/// ever. Past this the connection fails like any broken one: the sender drops it and
+/// reconnects for the next attempt. Nothing is freed on it: what the connection carried
+/// lands only under a grant decode still holds. A decode worker that keeps reading never
+/// lets it pass.
+pub const STALL: Duration = Duration::from_secs(10);
 
 /// A TCP transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +65,9 @@ pub enum TcpError {
     /// An unknown frame kind.
     #[error("unknown frame kind {0}")]
     UnknownKind(u32),
+    /// Nothing moved on the connection for [`STALL`] (or the test's limit).
+    #[error("kv over tcp: no byte moved for {0:?}; the connection is given up")]
+    Stalled(Duration),
     /// A fence answered with something else.
     #[error("bad fence acknowledgement {0:#x}")]
     BadAck(u8),
@@ -63,15 +77,41 @@ pub enum TcpError {
 #[derive(Debug)]
 pub struct TcpSender {
     stream: TcpStream,
+    stall: Duration,
 }
 
 impl TcpSender {
     /// Connects to a receiver and introduces itself with the receiver's `secret`.
     pub fn connect(addr: SocketAddr, secret: u64) -> Result<TcpSender, TcpError> {
-        let mut stream = TcpStream::connect(addr)?;
+        Self::connect_with(addr, secret, STALL)
+    }
+
+    /// [`connect`](Self::connect), giving up on any wait without progress after `stall`.
+    pub fn connect_with(
+        addr: SocketAddr,
+        secret: u64,
+        stall: Duration,
+    ) -> Result<TcpSender, TcpError> {
+        let stalled = |e| Self::stalled(e, stall);
+        let mut stream = TcpStream::connect_timeout(&addr, stall).map_err(stalled)?;
         stream.set_nodelay(true)?;
-        stream.write_all(&Self::header(HELLO, secret, 0, 0))?;
-        Ok(TcpSender { stream })
+        // Each send or receive call returns an error once it has waited `stall` for a byte.
+        stream.set_write_timeout(Some(stall))?;
+        stream.set_read_timeout(Some(stall))?;
+        stream
+            .write_all(&Self::header(HELLO, secret, 0, 0))
+            .map_err(stalled)?;
+        Ok(TcpSender { stream, stall })
+    }
+
+    /// A socket error, naming a wait that timed out for what it is.
+    fn stalled(e: std::io::Error, stall: Duration) -> TcpError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                TcpError::Stalled(stall)
+            }
+            _ => TcpError::Io(e),
+        }
     }
 
     fn header(kind: u32, attempt: u64, offset: u64, len: u32) -> [u8; HEADER] {
@@ -97,6 +137,18 @@ impl TcpSender {
         bytes: &[u8],
         midway: &mut dyn FnMut(),
     ) -> Result<(), TcpError> {
+        let stall = self.stall;
+        self.send(attempt, offset, bytes, midway)
+            .map_err(|e| Self::stalled(e, stall))
+    }
+
+    fn send(
+        &mut self,
+        attempt: u64,
+        offset: u64,
+        bytes: &[u8],
+        midway: &mut dyn FnMut(),
+    ) -> std::io::Result<()> {
         for (i, chunk) in bytes.chunks(u32::MAX as usize).enumerate() {
             let at = offset + (i as u64) * u64::from(u32::MAX);
             let header = Self::header(DATA, attempt, at, chunk.len() as u32);
@@ -122,9 +174,13 @@ impl TcpSender {
 
     /// Returns once every earlier write has landed in the destination.
     pub fn fence(&mut self, attempt: u64) -> Result<(), TcpError> {
-        self.stream.write_all(&Self::header(FENCE, attempt, 0, 0))?;
+        let stall = self.stall;
+        let stalled = |e| Self::stalled(e, stall);
+        self.stream
+            .write_all(&Self::header(FENCE, attempt, 0, 0))
+            .map_err(stalled)?;
         let mut ack = [0u8; 1];
-        self.stream.read_exact(&mut ack)?;
+        self.stream.read_exact(&mut ack).map_err(stalled)?;
         match ack[0] {
             ACK => Ok(()),
             other => Err(TcpError::BadAck(other)),
@@ -133,8 +189,10 @@ impl TcpSender {
 
     /// Ends the connection in order.
     pub fn close(mut self) -> Result<(), TcpError> {
-        self.stream.write_all(&Self::header(CLOSE, 0, 0, 0))?;
-        Ok(())
+        let stall = self.stall;
+        self.stream
+            .write_all(&Self::header(CLOSE, 0, 0, 0))
+            .map_err(|e| Self::stalled(e, stall))
     }
 }
 
@@ -272,6 +330,36 @@ mod tests {
         assert!(dest[4096..12288].iter().all(|b| *b == 1));
         assert!(dest[65536..65636].iter().all(|b| *b == 2));
         assert_eq!(dest[4095], 0);
+    }
+
+    #[test]
+    fn a_fence_nobody_answers_fails_after_the_stall() {
+        // A peer that takes every byte and never acknowledges: a decode host whose socket
+        // is gone while its reset was lost looks the same to the sender.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let silent = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut sink = Vec::new();
+            let _ = stream.read_to_end(&mut sink);
+        });
+        let stall = Duration::from_millis(200);
+        let mut s = TcpSender::connect_with(addr, 1, stall).unwrap();
+        s.write(1, 0, &[3u8; 4096]).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(s.fence(1));
+        });
+        // Without the stall the fence would wait for ever: the deadline is what fails then.
+        let r = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the fence returned");
+        assert!(
+            matches!(r, Err(TcpError::Stalled(d)) if d == stall),
+            "{r:?}"
+        );
+        drop(rx);
+        silent.join().unwrap();
     }
 
     #[test]
