@@ -317,9 +317,16 @@ pub fn rows_strided(
     out: &mut [f32],
     out_stride: usize,
 ) {
-    assert!(out_stride >= n && out.len() >= (tokens - 1) * out_stride + n);
-    // SAFETY: the assert bounds every written index inside `out`, which is borrowed mutably.
-    unsafe { rows_into(w, x, tokens, first, n, out.as_mut_ptr(), out_stride) }
+    let out = strided(out, tokens, n, out_stride);
+    // SAFETY: `strided` checked every written index inside `out`, which is borrowed mutably.
+    unsafe { rows_into(w, x, tokens, first, n, out, out_stride) }
+}
+
+/// `out`'s start, once checked to hold `t * out_stride + i` for every `t < tokens`, `i < n`.
+fn strided(out: &mut [f32], tokens: usize, n: usize, out_stride: usize) -> *mut f32 {
+    let fits = tokens == 0 || out.len() >= (tokens - 1) * out_stride + n;
+    assert!(out_stride >= n && fits, "output too short for its stride");
+    out.as_mut_ptr()
 }
 
 /// [`rows_strided`] through a raw output: `out[t * out_stride + (r - first)]`.
@@ -463,9 +470,9 @@ mod tests {
         out: &mut [f32],
         stride: usize,
     ) {
-        assert!(stride >= n && out.len() >= (tokens - 1) * stride + n);
-        // SAFETY: the assert bounds every written index inside `out`.
-        unsafe { rows_kernel(w, x, tokens, first, n, out.as_mut_ptr(), stride) }
+        let out = strided(out, tokens, n, stride);
+        // SAFETY: `strided` checked every written index inside `out`.
+        unsafe { rows_kernel(w, x, tokens, first, n, out, stride) }
     }
 
     fn reference(w: &QRef<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
