@@ -30,8 +30,8 @@ const SHORT_TILE: (usize, usize) = (4, 4);
 const TALL_TILE: (usize, usize) = (8, 2);
 
 /// Tokens from which [`rows_many`] takes [`TALL_TILE`]. Once the token vectors were aligned
-/// ([`aligned`]: half of them had cost two cache lines from L2) the short tile won at 32
-/// tokens again: batch-32 decode 347-354 -> 365-370 tok/s (2 threads 531-551 -> 573-586),
+/// (by `matmul_group`: every 16-lane load of a misaligned one had crossed two cache lines)
+/// the short tile won at 32 tokens again: batch-32 decode 347-354 -> 365-370 tok/s (2 threads 531-551 -> 573-586),
 /// 3 rounds interleaved on a Xeon core; prefill 512 kept the tall tile's 445-460 (the short
 /// tile's: 356-359).
 const TALL_FROM: usize = 64;
@@ -302,7 +302,8 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
         if R * T == 16 {
             // Token-major, so each token's rows are consecutive lanes.
             let sums = hsum16(std::array::from_fn(|p| acc[p % R][p / R]));
-            let keep = (1u16 << rows) - 1;
+            // `rows <= R <= 16` lanes of each token.
+            let keep = ((1u32 << rows) - 1) as u16;
             for j in 0..T {
                 let first = _mm512_add_epi32(
                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
