@@ -11,7 +11,7 @@ use duet_gpu::{KvDtype, KvLayout, KvPool, PageId, PoolError};
 
 use crate::kernels::attention::{AttnScratch, AttnShape, attend};
 use crate::kernels::ops::{Rope, add_assign, rms_norm, silu_mul};
-use crate::kernels::{QRef, matmul, matmul_group, token_split};
+use crate::kernels::{Lines, QRef, matmul, matmul_group, token_split};
 use crate::model::Model;
 use crate::step_pool::StepPool;
 
@@ -308,13 +308,15 @@ fn forward(
     for (row, id) in x.chunks_exact_mut(c.dim).zip(&ids) {
         embed.dequantize_row(*id as usize, row);
     }
-    let mut h = vec![0f32; t * c.dim];
+    // The products' inputs (`h`, `attn`, `gate`) start on cache lines (`Lines`), so the
+    // products read them in place.
+    let mut h = Lines::zeros(t * c.dim);
     let mut q = vec![0f32; t * c.dim];
     let mut k = vec![0f32; t * kv_dim];
     let mut v = vec![0f32; t * kv_dim];
-    let mut attn = vec![0f32; t * c.dim];
+    let mut attn = Lines::zeros(t * c.dim);
     let mut o = vec![0f32; t * c.dim];
-    let mut gate = vec![0f32; t * c.ffn_dim];
+    let mut gate = Lines::zeros(t * c.ffn_dim);
     let mut up = vec![0f32; t * c.ffn_dim];
     let shape = AttnShape {
         n_heads: c.n_heads,
@@ -431,7 +433,7 @@ fn forward(
     if owners.is_empty() {
         return results;
     }
-    let mut normed = vec![0f32; last_rows.len()];
+    let mut normed = Lines::zeros(last_rows.len());
     rms_norm(&last_rows, &model.output_norm, c.rms_eps, &mut normed);
     let head = model.lm_head();
     let mut logits = vec![0f32; owners.len() * head.rows];

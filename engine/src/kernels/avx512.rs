@@ -30,10 +30,10 @@ const SHORT_TILE: (usize, usize) = (4, 4);
 const TALL_TILE: (usize, usize) = (8, 2);
 
 /// Tokens from which [`rows_many`] takes [`TALL_TILE`]. Once the token vectors were aligned
-/// (by `matmul_group`: every 16-lane load of a misaligned one had crossed two cache lines)
-/// the short tile won at 32 tokens again: batch-32 decode 347-354 -> 365-370 tok/s (2 threads 531-551 -> 573-586),
-/// 3 rounds interleaved on a Xeon core; prefill 512 kept the tall tile's 445-460 (the short
-/// tile's: 356-359).
+/// (`kernels::lines`: every 16-lane load of a misaligned one had crossed two cache lines)
+/// the short tile won at 32 tokens again: batch-32 decode 347-354 -> 365-370 tok/s (2
+/// threads 531-551 -> 573-586), 3 rounds interleaved on a Xeon core; prefill 512 kept the
+/// tall tile's 445-460 (the short tile's: 356-359).
 const TALL_FROM: usize = 64;
 
 /// The most tokens a many-token register tile takes (the token pointers it is given).

@@ -8,6 +8,7 @@
 
 use half::f16;
 
+use super::lines::{Lines, aligned};
 use super::{LANES, fma_lanes, hsum};
 use crate::gguf::TensorType;
 use crate::step_pool::StepPool;
@@ -212,10 +213,10 @@ pub fn matmul_group(
     if tokens == 0 {
         return;
     }
-    // Each token's vector from a cache-line boundary (a 16-lane load across two lines costs
-    // two; `Vec<f32>` is 16-byte aligned): the input is copied where it is not, by each
-    // thread for its own tokens, or once for all where threads split the rows.
-    let mut staged = Vec::new();
+    // Each token's vector from a cache-line boundary (`super::lines`): an input that is not
+    // is copied, by each thread for its own tokens, or once for all where threads split the
+    // rows. The engine's own inputs already are.
+    let mut staged = Lines::default();
     let threads = team.threads();
     if threads <= 1 {
         let x = aligned(x, &mut staged);
@@ -235,7 +236,7 @@ pub fn matmul_group(
             }
         }
         team.for_each_thread(parts, |(xs, mut outs)| {
-            let mut staged = Vec::new();
+            let mut staged = Lines::default();
             let xs = aligned(xs, &mut staged);
             let n = xs.len() / cols;
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
@@ -285,27 +286,6 @@ struct Shared(*mut f32);
 unsafe impl Send for Shared {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Shared {}
-
-/// A cache line of f32, so a `Vec` of them starts on a line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-/// `x` itself where it starts on a 64-byte boundary, else a copy in `staged`. On a Xeon
-/// core, 32 tokens' products: 52-57 -> 56-63 GMAC/s, the copy included (73 KB).
-fn aligned<'a>(x: &'a [f32], staged: &'a mut Vec<Line>) -> &'a [f32] {
-    if x.as_ptr().align_offset(64) == 0 {
-        return x;
-    }
-    staged.clear();
-    staged.resize(x.len().div_ceil(16), Line([0.0; 16]));
-    // SAFETY: a `Line` is 16 f32 without padding (`repr(C)`), so `staged` is at least
-    // `x.len()` f32 in a row, borrowed for `'a`.
-    let copy =
-        unsafe { std::slice::from_raw_parts_mut(staged.as_mut_ptr().cast::<f32>(), x.len()) };
-    copy.copy_from_slice(x);
-    copy
-}
 
 /// Rows `first..first + n` for every token, written to `out[t * out_stride + (r - first)]`.
 pub fn rows_strided(

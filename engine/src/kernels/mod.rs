@@ -27,9 +27,11 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod exp;
+mod lines;
 mod matmul;
 pub mod ops;
 
+pub use lines::Lines;
 pub use matmul::{
     Format, QRef, TOKENS_PER_THREAD, matmul, matmul_group, repack, rows_strided, token_split,
 };
