@@ -122,10 +122,10 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     rows: [*const u8; R],
     xs: [*const f32; T],
     blocks: usize,
-    ahead: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
+    let ahead = super::PREFETCH_AHEAD * blocks * B::BYTES;
     // SAFETY: per the function contract.
     unsafe {
         // (lanes 0-7, lanes 8-15) per (row, token).
@@ -140,11 +140,8 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
             for i in 0..R {
                 // Weights stream from memory once per token at decode: fetch the same block
                 // of the rows `ahead` bytes on while this one computes, into L2 only
-                // ([`super::avx512::PREFETCH_AHEAD`] says why; a prefetch past the end of the
-                // matrix never faults). Into L1 4 rows ahead, an EPYC (Zen 4) core capped at AVX2,
-                // 2 rounds: batch-1 decode 77-80 tok/s, LM head 3.2-4.2 ms; into L2 4 rows
-                // ahead 84-90, 2.5-2.7; 8 rows 103, 2.4-2.5. (On an AVX2-only Zen 3 guest, into
-                // L1, 8 and 16 rows had measured no faster than 4.)
+                // ([`super::PREFETCH_AHEAD`] says why; a prefetch past the end of the matrix
+                // never faults).
                 _mm_prefetch::<_MM_HINT_T1>(rows[i].wrapping_add(ahead + b * B::BYTES).cast());
                 let w = B::load(rows[i].add(b * B::BYTES));
                 for j in 0..T {
@@ -211,7 +208,6 @@ pub unsafe fn rows<B: Block>(
                             std::array::from_fn(|i| row(r + i)),
                             std::array::from_fn(|j| tok(t + j)),
                             blocks,
-                            super::avx512::PREFETCH_AHEAD * rb,
                             o,
                             out_stride,
                         )

@@ -58,17 +58,6 @@ const K_SPAN: usize = 768;
 /// for every token) instead of the streaming [`rows`].
 pub const MANY_FROM: usize = 8;
 
-/// Rows ahead of its tile that the streaming [`rows`] prefetches (two 4-row tiles), into L2
-/// (`prefetcht1`), not L1: on an AMD EPYC (Zen 4) core a prefetch into L1 holds one of
-/// the L1's few miss buffers for a whole memory latency, and batch-1 decode, which streams
-/// every weight once per token, read them at half the rate the core reads memory. Into L2,
-/// 3 rounds: the LM head (Q8_0, 32 MB) 3.2-4.6 -> 1.6-1.9 ms, batch-1 decode 94-101 ->
-/// 119-135 tok/s at 1 thread, 153-155 -> 180-208 at 2 threads; 16 and 32 rows ahead measured
-/// the same, no software prefetch at all 6.6 ms for the LM head, and a second prefetch into
-/// L1 4 rows ahead (beside the one into L2) slower (104-117 tok/s). The many-token kernel's
-/// and the attention's prefetches into L2 measured no different (within the noise).
-pub(super) const PREFETCH_AHEAD: usize = 8;
-
 /// The fixed tree: pairs `(i, i + 8)`, then `(i, i + 4)`, `(i, i + 2)`, `(0, 1)`.
 #[inline(always)]
 unsafe fn hsum(v: __m512) -> f32 {
@@ -218,10 +207,10 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     rows: [*const u8; R],
     xs: [*const f32; T],
     blocks: usize,
-    ahead: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
+    let ahead = super::PREFETCH_AHEAD * blocks * B::BYTES;
     // SAFETY: per the function contract.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -230,7 +219,7 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
             for i in 0..R {
                 // Weights stream from memory once per token at decode: fetch the same block
                 // of the rows `ahead` bytes on while this tile computes, into L2 only
-                // ([`PREFETCH_AHEAD`]). A prefetch past the end of the matrix is harmless (it
+                // ([`super::PREFETCH_AHEAD`]). A prefetch past the end of the matrix is harmless (it
                 // never faults).
                 _mm_prefetch::<_MM_HINT_T1>(rows[i].wrapping_add(ahead + b * B::BYTES).cast());
                 w[i] = B::load(rows[i].add(b * B::BYTES));
@@ -508,7 +497,6 @@ pub unsafe fn rows<B: Block>(
                             std::array::from_fn(|i| row(r + i)),
                             std::array::from_fn(|j| tok(t + j)),
                             blocks,
-                            PREFETCH_AHEAD * rb,
                             o,
                             out_stride,
                         )

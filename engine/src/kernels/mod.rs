@@ -36,6 +36,21 @@ pub use matmul::{
     Format, QRef, TOKENS_PER_THREAD, matmul, matmul_group, repack, rows_strided, token_split,
 };
 
+/// Rows ahead of its tile that the streaming kernels (`avx512::rows`, `avx2::rows`) prefetch (two
+/// 4-row tiles), into L2 (`prefetcht1`), not L1: on an AMD EPYC (Zen 4) core a prefetch into L1
+/// holds one of the L1's few miss buffers for a whole memory latency, and batch-1 decode, which
+/// streams every weight once per token, read them at half the rate the core reads memory. Into L2,
+/// 3 rounds interleaved with the same build prefetching into L1: the LM head (Q8_0, 32 MB) 2.7-3.8
+/// -> 1.6-1.7 ms; batch-1 decode 89-94 -> 122-132 tok/s at 1 thread (after 480 tokens 72-79 ->
+/// 88-103), 141-173 -> 204-211 at 2 threads (112-129 -> 153-164); batch 32 unchanged; 16 and 32
+/// rows ahead measured the same, no software prefetch at all 6.6 ms for the LM head, and a second
+/// prefetch into L1 4 rows ahead (beside the one into L2) slower (104-117 tok/s). The many-token
+/// kernel's and the attention's prefetches into L2 measured no different (within the noise). The
+/// AVX2 kernel on the same core, capped at AVX2, 2 rounds: batch-1 decode 77-80 tok/s (into L1, 4
+/// rows ahead, as it was) -> 84-90 (into L2, 4 rows) -> 103 (into L2, 8 rows).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 8;
+
 /// Partial sums per dot product.
 pub const LANES: usize = 16;
 
