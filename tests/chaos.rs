@@ -141,6 +141,12 @@ async fn run_chaos(extra: &str, secs: u64, flags: &[&str]) {
     let verdict = String::from_utf8_lossy(&check.stdout);
     eprintln!("history: {verdict}");
     assert!(check.status.success(), "history violations: {verdict}");
+    // Decode recorded its proofs (every end of a transfer revokes its grant first).
+    let summary: Value = serde_json::from_str(verdict.trim()).expect("the checker's JSON");
+    assert!(
+        summary["revokes"].as_u64() >= Some(1),
+        "no proven revoke recorded: {verdict}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

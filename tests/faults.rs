@@ -639,6 +639,21 @@ async fn the_history_checker_catches_each_violation() {
                 h
             },
         ),
+        (
+            // A writer killed mid-copy records no end: decode's proven revoke (its claim slot
+            // back once the dead process's lock went) settles the write.
+            "sound: a shm write settled by decode's revoke",
+            {
+                let mut h = sound.clone();
+                h.extend([
+                    ev(12, "open", 3, &[4], Value::Null),
+                    ev(13, "write_begin", 3, &[4], w("shm")),
+                    ev(14, "revoked", 3, &[], Value::Null),
+                    ev(15, "close", 3, &[], Value::Null),
+                ]);
+                h
+            },
+        ),
         ("after its release", {
             let mut h = sound.clone();
             h.push(ev(12, "write_begin", 2, &[3], w("shm")));
@@ -673,6 +688,26 @@ async fn the_history_checker_catches_each_violation() {
                 ev(2, "write_begin", 1, &[1], w("shm")),
                 ev(3, "close", 1, &[], Value::Null),
                 ev(4, "write_end", 1, &[], w("shm")),
+            ],
+        ),
+        (
+            // A revoke proven before the copy began proves nothing about the copy.
+            "not settled",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "revoked", 1, &[], Value::Null),
+                ev(3, "write_begin", 1, &[1], w("shm")),
+                ev(4, "close", 1, &[], Value::Null),
+            ],
+        ),
+        (
+            // A tcp landing ends only by its own read's end, not by a revoke.
+            "not settled",
+            vec![
+                ev(1, "open", 1, &[1], Value::Null),
+                ev(2, "land_begin", 1, &[1], at(100)),
+                ev(3, "revoked", 1, &[], Value::Null),
+                ev(4, "close", 1, &[], Value::Null),
             ],
         ),
         (

@@ -16,7 +16,9 @@ Where bytes land decides whose record counts as the write:
 - shm and local: the writer copies into decode's pool itself, under its claim of the attempt's
   slot, and records `write_begin` once its claim held and `write_end` before letting it go. A
   write is settled by its `write_end` (or a later `fenced`, `dropped`, or its sender thread's
-  `sender_stopped`).
+  `sender_stopped`), or by decode's `revoked`: decode took the attempt's claim slot back,
+  which it can only while no writer holds it (a writer killed mid-copy records no end; its
+  lock died with its process).
 - tcp: bytes land only through decode's receiver, which records `land_begin` when a granted
   frame starts landing and `land_end` when its read ended (landed, or cut). A landing is
   settled by its `land_end`. Prefill's own tcp `write_begin` only says bytes were handed to a
@@ -53,7 +55,7 @@ def check(events):
     # and what settles them.
     writes, settles, fenced = defaultdict(list), defaultdict(list), defaultdict(list)
     stopped = {}
-    receiver_stops = 0
+    receiver_stops = revokes = 0
     violations = []
     held = defaultdict(dict)  # (decode, inc) -> page -> attempt key
 
@@ -92,16 +94,18 @@ def check(events):
             if ends[k]:
                 violations.append(f"attempt {k} wrote pages {e['pages']} after its release")
             within_reservation(e, k)
-        elif ev in ("write_end", "fenced", "dropped", "land_end"):
+        elif ev in ("write_end", "fenced", "dropped", "land_end", "revoked"):
             settles[key(e)].append(e)
             if ev == "fenced":
                 fenced[key(e)].append(e)
+            revokes += ev == "revoked"
         elif ev == "sender_stopped":
             stopped[e["sender"]] = e["t"]
         elif ev == "receiver_stopped":
             receiver_stops += 1  # its threads were joined: each landing already ended
 
     def settled_by(w, s):
+        # A tcp landing ends only by its own read's end (a revoke waits for it, then records).
         if w["event"] == "land_begin":
             return s["event"] == "land_end" and s.get("offset") == w.get("offset")
         return s["event"] != "land_end"
@@ -126,6 +130,7 @@ def check(events):
         "closed": sum(1 for k in ends if ends[k] and ends[k][0]["event"] == "close"),
         "writes": sum(len(w) for w in writes.values()),
         "receiver_stops": receiver_stops,
+        "revokes": revokes,
         "violations": violations,
     }
 

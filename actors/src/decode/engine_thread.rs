@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use duet_engine::Runner;
-use duet_transport::{AbortReason, Endpoint, Grants};
+use duet_transport::{AbortReason, Endpoint};
 use tokio::sync::mpsc;
 
 use super::attempts::{Ack, Attempts};
@@ -47,7 +47,7 @@ pub(super) struct DecodeCore {
     /// Control messages of this turn, handed to the outbox at its end.
     pub(super) sends: Vec<Outgoing>,
     pub(super) load: Arc<Mutex<LoadReport>>,
-    pub(super) grants: Grants,
+    pub(super) grants: super::transfers::RecordedGrants,
     pub(super) endpoint: Endpoint,
     pub(super) incarnation: u64,
     pub(super) threshold: usize,

@@ -252,7 +252,7 @@ impl Actor for DecodeWorker {
                 outbox,
                 sends: Vec::new(),
                 load,
-                grants,
+                grants: transfers::RecordedGrants::new(grants, &ctx.me.name, incarnation),
                 endpoint,
                 incarnation,
                 threshold: settings.disagg_threshold,
