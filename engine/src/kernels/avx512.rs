@@ -55,8 +55,10 @@ const X_BLOCK_BYTES: usize = 512 << 10;
 const K_SPAN: usize = 768;
 
 /// From this many tokens the matrix product takes [`rows_many`] (each tile dequantized once
-/// for every token) instead of the streaming [`rows`].
-pub const MANY_FROM: usize = 8;
+/// for every token) instead of the streaming [`rows`]. Up to 8 tokens go through [`rows`] in
+/// one pass (2-row tiles from 5 tokens): at 8 tokens 45-46 GMAC/s against the many-token
+/// kernel's 34-41 (`--kernels`, 2 rounds interleaved, the EPYC (Zen 4) VM).
+pub const MANY_FROM: usize = 9;
 
 /// The fixed tree: pairs `(i, i + 8)`, then `(i, i + 4)`, `(i, i + 2)`, `(0, 1)`.
 #[inline(always)]
@@ -486,10 +488,16 @@ pub unsafe fn rows<B: Block>(
         let tok = |t: usize| xb.add(t * cols);
         let mut r = 0;
         while r < n {
-            let tile_rows = (n - r).min(4);
+            // 5 to 8 tokens in one pass of 2-row tiles (up to 16 sums in registers) rather
+            // than a 4-token pass and a second for the rest: each pass dequantizes every
+            // weight again, and the second cost as much as a whole batch-1 product. On the
+            // EPYC (Zen 4) VM (`--kernels`, interleaved) the FFN products at 5 tokens 132-138
+            // -> 117-118 us, 6 144-155 -> 125-132, 7 161-167 -> 145-146.
+            let (most_rows, most_tokens) = if tokens > 4 { (2, tokens) } else { (4, 4) };
+            let tile_rows = (n - r).min(most_rows);
             let mut t = 0;
             while t < tokens {
-                let group = (tokens - t).min(4);
+                let group = (tokens - t).min(most_tokens);
                 let o = ob.add(t * out_stride + r);
                 macro_rules! go {
                     ($R:literal, $T:literal) => {
@@ -503,6 +511,14 @@ pub unsafe fn rows<B: Block>(
                     };
                 }
                 match (tile_rows, group) {
+                    (2, 8) => go!(2, 8),
+                    (2, 7) => go!(2, 7),
+                    (2, 6) => go!(2, 6),
+                    (2, 5) => go!(2, 5),
+                    (1, 8) => go!(1, 8),
+                    (1, 7) => go!(1, 7),
+                    (1, 6) => go!(1, 6),
+                    (1, 5) => go!(1, 5),
                     (4, 4) => go!(4, 4),
                     (4, 3) => go!(4, 3),
                     (4, 2) => go!(4, 2),
