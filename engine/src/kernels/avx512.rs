@@ -493,7 +493,13 @@ pub unsafe fn rows<B: Block>(
             // weight again, and the second cost as much as a whole batch-1 product. On the
             // EPYC (Zen 4) VM (`--kernels`, interleaved) the FFN products at 5 tokens 132-138
             // -> 117-118 us, 6 144-155 -> 125-132, 7 161-167 -> 145-146.
-            let (most_rows, most_tokens) = if tokens > 4 { (2, tokens) } else { (4, 4) };
+            // At most 8 (the widest arm below), so every (rows, tokens) a pass takes has an arm even
+            // if a caller streams more tokens than `MANY_FROM` sends here.
+            let (most_rows, most_tokens) = if tokens > 4 {
+                (2, tokens.min(8))
+            } else {
+                (4, 4)
+            };
             let tile_rows = (n - r).min(most_rows);
             let mut t = 0;
             while t < tokens {
