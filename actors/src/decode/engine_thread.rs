@@ -47,7 +47,7 @@ pub(super) struct DecodeCore {
     /// Control messages of this turn, handed to the outbox at its end.
     pub(super) sends: Vec<Outgoing>,
     pub(super) load: Arc<Mutex<LoadReport>>,
-    pub(super) grants: super::transfers::RecordedGrants,
+    pub(super) grants: super::recorded_grants::RecordedGrants,
     pub(super) endpoint: Endpoint,
     pub(super) incarnation: u64,
     pub(super) threshold: usize,

@@ -61,6 +61,7 @@ use crate::worker::{engine_options, install_drain_probe, layout_info, load_model
 pub mod attempts;
 mod engine_thread;
 mod receiver;
+mod recorded_grants;
 mod transfers;
 
 use engine_thread::DecodeCore;
@@ -252,7 +253,7 @@ impl Actor for DecodeWorker {
                 outbox,
                 sends: Vec::new(),
                 load,
-                grants: transfers::RecordedGrants::new(grants, &ctx.me.name, incarnation),
+                grants: recorded_grants::RecordedGrants::new(grants, &ctx.me.name, incarnation),
                 endpoint,
                 incarnation,
                 threshold: settings.disagg_threshold,

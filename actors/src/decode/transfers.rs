@@ -9,7 +9,7 @@ use std::time::Instant;
 use duet_engine::sampling::Sampled;
 use duet_gpu::{KvLayout, PageId, PoolMemory};
 use duet_runtime::metrics as m;
-use duet_transport::{AbortReason, AttemptKey, Fence, Grants, Revocation};
+use duet_transport::AbortReason;
 
 use super::attempts::{At, Attempts, Done, Effect, Ended, Limits};
 use super::engine_thread::{DecodeCore, Prealloc, Transfer};
@@ -19,47 +19,6 @@ use crate::protocol::{
     Abort, BOOTSTRAP_SERVICE, FailureClass, PreallocNotice, PrefillPeer, ServingError, TokenItem,
     TransferDone, kinds,
 };
-
-/// Decode's grants as the transfers' fence: each proven revoke is recorded in the transfer
-/// history (`revoked`, when it is on) before the attempt's pages can change hands. It is the
-/// proof that frees them, so the history's checker orders writes against it: a writer whose
-/// process was killed mid-copy records no `write_end`, and what settles its write is decode
-/// taking the claim slot back once the dead process's lock is gone.
-#[derive(Debug)]
-pub(super) struct RecordedGrants {
-    grants: Grants,
-    /// This node and worker incarnation, as the history names them.
-    node: String,
-    incarnation: u64,
-}
-
-impl RecordedGrants {
-    pub(super) fn new(grants: Grants, node: &str, incarnation: u64) -> RecordedGrants {
-        RecordedGrants {
-            grants,
-            node: node.to_string(),
-            incarnation,
-        }
-    }
-}
-
-impl std::ops::Deref for RecordedGrants {
-    type Target = Grants;
-
-    fn deref(&self) -> &Grants {
-        &self.grants
-    }
-}
-
-impl Fence for RecordedGrants {
-    fn revoke(&mut self, attempt: AttemptKey) -> Revocation {
-        let proof = self.grants.revoke(attempt);
-        if proof == Revocation::Proven {
-            history::record("revoked", &self.node, self.incarnation, attempt, &[]);
-        }
-        proof
-    }
-}
 
 impl DecodeCore {
     /// The KV receiver was replaced: later notices carry its endpoint, and the transfers the
