@@ -48,6 +48,9 @@ pub enum ModelError {
     /// The chat template.
     #[error(transparent)]
     Chat(#[from] ChatError),
+    /// No memory for the weights.
+    #[error("cannot map memory for the weights: {0}")]
+    Memory(String),
     /// A tensor of the wrong shape.
     #[error("tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
     Shape {
@@ -104,8 +107,9 @@ pub struct Layer {
 
 /// A loaded model.
 pub struct Model {
-    /// Every weight matrix, repacked for the kernels (still 4- and 8-bit).
-    arena: Vec<u8>,
+    /// Every weight matrix, repacked for the kernels (still 4- and 8-bit), on huge pages
+    /// where the system allows: every decode step streams all of it (see `duet_gpu::huge`).
+    arena: duet_gpu::huge::HugeBuffer,
     /// Hyperparameters.
     pub config: ModelConfig,
     /// Token embeddings (also the output projection when tied).
@@ -252,8 +256,8 @@ impl Model {
             .collect();
         let file_bytes = g.bytes().len();
         drop(g);
-        let mut arena = arena.into_inner();
-        arena.shrink_to_fit();
+        let arena = duet_gpu::huge::HugeBuffer::copy_of(&arena.into_inner())
+            .map_err(|e| ModelError::Memory(e.to_string()))?;
         Ok(Model {
             file_bytes,
             arena,

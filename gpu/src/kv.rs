@@ -342,29 +342,15 @@ pub unsafe trait KvMemory: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Zeroed heap memory in 8-byte words, written through shared references (hence the cells).
-struct HeapMemory(Box<[std::cell::UnsafeCell<u64>]>);
-
-impl std::fmt::Debug for HeapMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HeapMemory({} bytes)", self.0.len() * 8)
-    }
-}
-
-// SAFETY: the cells are only reached through byte-range borrows that the pool's users keep
-// disjoint (the engine's own pages, or pages a transfer attempt was granted).
+// SAFETY: the mapping never moves while the buffer lives; `as_ptr` has write provenance and
+// page alignment (so 8-byte alignment), and `len` bytes behind it.
 #[allow(unsafe_code)]
-unsafe impl Sync for HeapMemory {}
-
-// SAFETY: the boxed slice never moves or shrinks while the value lives; `UnsafeCell<u64>` has
-// the layout of `u64`, so the pointer is 8-byte aligned and writable through `&self`.
-#[allow(unsafe_code)]
-unsafe impl KvMemory for HeapMemory {
+unsafe impl KvMemory for crate::huge::HugeBuffer {
     fn as_ptr(&self) -> *mut u8 {
-        std::cell::UnsafeCell::raw_get(self.0.as_ptr()).cast()
+        crate::huge::HugeBuffer::as_ptr(self)
     }
     fn len(&self) -> usize {
-        self.0.len() * 8
+        <[u8]>::len(self)
     }
 }
 
@@ -448,16 +434,17 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// Allocates `n_pages` pages of `layout` on the heap, zeroed, once.
+    /// Allocates `n_pages` pages of `layout` in anonymous memory, zeroed, once.
     pub fn new(layout: KvLayout, n_pages: usize) -> Result<KvPool, PoolError> {
         let len = Self::pool_bytes(&layout, n_pages)?;
-        let words = (0..len.div_ceil(8))
-            .map(|_| std::cell::UnsafeCell::new(0u64))
-            .collect();
+        // On huge pages where the system allows: decode reads a 6 KB block of each page in
+        // turn, and on 4 KB pages nearly every block missed the TLB (see `crate::huge`).
+        let memory = crate::huge::HugeBuffer::zeroed(len)
+            .map_err(|e| PoolError::BadMemory(format!("cannot map {len} bytes: {e}")))?;
         Ok(KvPool {
             layout,
             memory: PoolMemory {
-                memory: std::sync::Arc::new(HeapMemory(words)),
+                memory: std::sync::Arc::new(memory),
                 len,
             },
             alloc: PageAllocator::new(n_pages),
@@ -600,9 +587,7 @@ mod tests {
     }
 
     fn words(n: usize) -> std::sync::Arc<dyn KvMemory> {
-        std::sync::Arc::new(HeapMemory(
-            (0..n).map(|_| std::cell::UnsafeCell::new(0)).collect(),
-        ))
+        std::sync::Arc::new(crate::huge::HugeBuffer::zeroed(n * 8).unwrap())
     }
 
     #[test]

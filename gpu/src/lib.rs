@@ -8,6 +8,8 @@
 //!   and the KV pool on the device, the kernels (NVRTC), staging copies out of device pages.
 //! - [`staging`]: double-buffered copies of device pages through host buffers, so the copy of
 //!   the next piece overlaps the send of this one, ordered after the chunk's "KV ready" event.
+//! - [`huge`]: anonymous memory on transparent huge pages, for what the kernels stream
+//!   through every step (weights, the KV pool).
 //! - [`kv`]: the paged KV pool: one allocation made at start, cut into pages of `page_size`
 //!   tokens that hold K and V of every layer, with an allocator that tracks reference counts
 //!   and pins. The layout makes a page, or a run of consecutive pages, one contiguous byte
@@ -16,6 +18,7 @@
 pub mod context;
 pub mod cuda;
 pub mod device;
+pub mod huge;
 pub mod kv;
 pub mod staging;
 
