@@ -21,6 +21,20 @@ pub(crate) fn load_model(s: &ServingConfig) -> Result<Model, String> {
     } else {
         fetch::ensure_model(&s.model, &mut |_| {}).map_err(|e| e.to_string())?
     };
+    // Decode at a few long contexts is bound by TLB misses on 4 KB pages (docs/engine.md,
+    // "Huge pages"): say once, at start, where an operator looks, what the host allows.
+    let huge = duet_gpu::huge::settings();
+    if !huge.anonymous {
+        tracing::warn!(
+            "weights on 4 KB pages: /sys/kernel/mm/transparent_hugepage/enabled is `never`"
+        );
+    }
+    if !huge.shared {
+        tracing::info!(
+            "a shared-memory KV pool is on 4 KB pages: \
+             /sys/kernel/mm/transparent_hugepage/shmem_enabled is not `advise`"
+        );
+    }
     Model::open(&path).map_err(|e| format!("{}: {e}", path.display()))
 }
 

@@ -70,6 +70,37 @@ pub fn advise_huge(map: &MmapMut) {
     }
 }
 
+/// What the system's transparent-huge-page settings let [`advise_huge`] do, read from
+/// `/sys/kernel/mm/transparent_hugepage/` (a setting that cannot be read counts as off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HugePageSettings {
+    /// `enabled` is `always` or `madvise`: the weights and a heap KV pool get huge pages.
+    pub anonymous: bool,
+    /// `shmem_enabled` is `advise`, `always`, `within_size` or `force`: a KV pool in shared
+    /// memory (`/dev/shm`, the shm transport's) gets them too.
+    pub shared: bool,
+}
+
+/// Reads the settings of this host.
+pub fn settings() -> HugePageSettings {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{name}"))
+            .ok()
+            .and_then(|s| selected(&s).map(str::to_owned))
+    };
+    let anonymous = read("enabled").is_some_and(|v| matches!(v.as_str(), "always" | "madvise"));
+    let shared = read("shmem_enabled")
+        .is_some_and(|v| matches!(v.as_str(), "always" | "within_size" | "advise" | "force"));
+    HugePageSettings { anonymous, shared }
+}
+
+/// The bracketed choice of a sysfs setting: `always [madvise] never` -> `madvise`.
+fn selected(setting: &str) -> Option<&str> {
+    let start = setting.find('[')? + 1;
+    let len = setting[start..].find(']')?;
+    Some(&setting[start..start + len])
+}
+
 impl std::ops::Deref for HugeBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -96,5 +127,16 @@ mod tests {
         assert_eq!(b[(2 << 20) + 5], 7);
         assert_eq!(HugeBuffer::copy_of(&[1, 2, 3]).unwrap()[..], [1, 2, 3]);
         assert!(HugeBuffer::zeroed(0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_bracketed_choice_is_the_setting() {
+        assert_eq!(selected("always [madvise] never\n"), Some("madvise"));
+        assert_eq!(
+            selected("always within_size advise [never] deny force"),
+            Some("never")
+        );
+        assert_eq!(selected("no choice"), None);
+        assert_eq!(selected("[unclosed"), None);
     }
 }
