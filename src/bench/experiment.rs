@@ -216,6 +216,12 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
                 "ttft_p50_disaggregated_over_prefill_alone": ratio(d.ttft_p50_ms, alone_ms),
             },
             "prefill_alone_ms": alone_ms,
+            // Every request of each mode (as a plain run's `requests`): each gap with the
+            // time it ended, to line the slow steps up with the long prompts' arrivals.
+            "requests": {
+                runs[0].name: runs[0].records,
+                runs[1].name: runs[1].records,
+            },
         });
         write_json(path, &out)?;
     }
