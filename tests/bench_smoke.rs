@@ -1,5 +1,6 @@
 //! `duet bench --experiment interference --quick`: both clusters start and stop, the workload
-//! runs against each, and the JSON has every field the experiment promises.
+//! runs against each, and the JSON has every field the experiment promises (the decode worker's
+//! step metrics and every request's record too).
 
 mod common;
 
@@ -40,6 +41,29 @@ async fn the_interference_experiment_writes_every_field() {
         assert_eq!(m["failed"], 0, "{mode}: requests failed: {m}");
         assert!(m["long_prompts"].as_u64() >= Some(1), "{mode}: {m}");
         assert!(m["throughput_tok_s"].as_f64() > Some(0.0), "{mode}: {m}");
+        // The decode worker's own step metrics, read from its admin API: the steady
+        // sequences decoded for seconds, so steps were counted, and every step computed a
+        // token and attended over at least that token's own position.
+        let steps = &m["decode_steps"];
+        assert!(
+            steps["steps"].as_u64() > Some(10),
+            "{mode}.decode_steps: {steps}"
+        );
+        assert!(steps["mean_ms"].as_f64() > Some(0.0), "{mode}: {steps}");
+        assert!(
+            steps["tokens_mean"].as_f64() >= Some(1.0),
+            "{mode}: {steps}"
+        );
+        assert!(
+            steps["attended_mean"].as_f64() >= steps["tokens_mean"].as_f64(),
+            "{mode}: {steps}"
+        );
+        // Every request, each gap with its time: the series the plots draw.
+        let requests = v["requests"][mode].as_array().expect("requests per mode");
+        assert!(
+            requests.iter().any(|r| r["class"] == "steady"),
+            "{mode}: no steady request"
+        );
     }
     // The disaggregated TTFT's floor: the long prompt's prefill alone, and the ratio to it.
     assert!(v["prefill_alone_ms"].as_f64() > Some(0.0), "{v}");

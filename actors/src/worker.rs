@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use duet_engine::scheduler::StepShape;
 use duet_engine::{Engine, EngineOptions, Model};
 use duet_fetch as fetch;
 use duet_runtime::config::Role;
@@ -13,6 +14,17 @@ use duet_runtime::wire;
 
 use crate::protocol::{LayoutInfo, LoadReport, ROUTER_SERVICE, WORKER_SERVICE, kinds};
 use crate::settings::ServingConfig;
+
+/// Records one engine step of a worker in `role`: its seconds and its size (the metrics an
+/// operator reads a slow inter-token gap from: more tokens, longer contexts, or neither).
+pub(crate) fn record_step(role: &'static str, seconds: f64, shape: StepShape) {
+    if shape.tokens == 0 {
+        return;
+    }
+    metrics::histogram!(m::ENGINE_STEP, "role" => role).record(seconds);
+    metrics::histogram!(m::ENGINE_STEP_TOKENS, "role" => role).record(shape.tokens as f64);
+    metrics::histogram!(m::ENGINE_STEP_ATTENDED, "role" => role).record(shape.attended as f64);
+}
 
 /// Loads the model (fetching the default one if missing).
 pub(crate) fn load_model(s: &ServingConfig) -> Result<Model, String> {

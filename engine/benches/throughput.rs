@@ -463,7 +463,11 @@ fn attention_kernel(model: &Model) {
         n_layers: c.n_layers,
         n_kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
-        page_size: 16,
+        // `ATTN_PAGE` sets the page size (positions per page; the engine's default is 16).
+        page_size: std::env::var("ATTN_PAGE")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(16),
         dtype: KvDtype::F16,
     };
     let ctx = std::env::var("ATTN_CTX")
@@ -477,7 +481,13 @@ fn attention_kernel(model: &Model) {
     let row: Vec<f32> = (0..layout.kv_dim()).map(|i| (i % 7) as f32 * 0.1).collect();
     for layer in 0..c.n_layers {
         for j in 0..ctx {
-            pool.write_token(pages[j / 16], layer, j % 16, &row, &row);
+            pool.write_token(
+                pages[j / layout.page_size],
+                layer,
+                j % layout.page_size,
+                &row,
+                &row,
+            );
         }
     }
     let shape = AttnShape {

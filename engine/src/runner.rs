@@ -6,7 +6,9 @@ use duet_gpu::PoolError;
 use crate::engine::{Engine, EngineError};
 use crate::prefix_cache::PrefixCache;
 use crate::sampling::SamplingParams;
-use crate::scheduler::{Resume, Scheduler, SchedulerConfig, SeqEvent, SeqId, SubmitError};
+use crate::scheduler::{
+    Resume, Scheduler, SchedulerConfig, SeqEvent, SeqId, StepShape, SubmitError,
+};
 
 /// Engine, scheduler and prefix cache together.
 #[derive(Debug)]
@@ -17,6 +19,8 @@ pub struct Runner {
     pub scheduler: Scheduler,
     /// The prefix cache over the engine's pool.
     pub cache: PrefixCache,
+    /// What the last [`Runner::step`] computed (all zero when it had nothing to do).
+    pub last_step: StepShape,
 }
 
 /// A step that failed.
@@ -44,6 +48,7 @@ impl Runner {
             }),
             cache: PrefixCache::new(o.page_size),
             engine,
+            last_step: StepShape::default(),
         }
     }
 
@@ -80,6 +85,7 @@ impl Runner {
         let plan = self
             .scheduler
             .plan(&mut self.engine.pool.alloc, &mut self.cache)?;
+        self.last_step = plan.shape();
         if plan.items.is_empty() {
             return Ok(Vec::new());
         }

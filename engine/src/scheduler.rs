@@ -117,6 +117,35 @@ pub struct Plan {
     pub items: Vec<PlanItem>,
 }
 
+impl Plan {
+    /// How much the step computes: what its time grows with.
+    pub fn shape(&self) -> StepShape {
+        let mut shape = StepShape {
+            seqs: self.items.len(),
+            ..StepShape::default()
+        };
+        for it in &self.items {
+            shape.tokens += it.len;
+            // The token at position `p` attends over `p + 1` positions: `start + 1` up to
+            // `start + len`.
+            shape.attended += it.len * it.start + it.len * (it.len + 1) / 2;
+        }
+        shape
+    }
+}
+
+/// The size of one step (for its metrics): a step's time is its weights' pass, which grows
+/// with `tokens`, plus its attention, which grows with `attended`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Sequences in the step.
+    pub seqs: usize,
+    /// Tokens computed: one per decoding sequence, a chunk's length per prompt.
+    pub tokens: usize,
+    /// KV positions the step's tokens attend over, summed.
+    pub attended: usize,
+}
+
 /// Something that happened to a sequence in a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqEvent {

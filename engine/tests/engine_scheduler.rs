@@ -174,3 +174,36 @@ fn a_resumed_stream_continues_exactly_where_it_was_cut() {
         }
     }
 }
+
+#[test]
+fn each_step_reports_the_tokens_it_computed_and_the_positions_they_attended() {
+    use duet_engine::scheduler::StepShape;
+    // A 10-token budget: the 25-token prompt goes in chunks of 10, 10 and 5, then one token
+    // per decode step, each attending over one more position.
+    let mut r = runner(64, 10);
+    r.submit(1, prompt(25, 2), greedy(3)).expect("submit");
+    let mut shapes = Vec::new();
+    while !r.scheduler.is_idle() {
+        r.step().expect("step");
+        shapes.push(r.last_step);
+    }
+    let chunk = |start: usize, len: usize| StepShape {
+        seqs: 1,
+        tokens: len,
+        attended: (start + 1..=start + len).sum(),
+    };
+    assert_eq!(
+        shapes,
+        vec![
+            chunk(0, 10),
+            chunk(10, 10),
+            chunk(20, 5),
+            chunk(25, 1),
+            chunk(26, 1)
+        ],
+        "three prompt chunks (the last samples the first token), then two decode steps"
+    );
+    // Idle: nothing computed, and the last shape says so.
+    r.step().expect("idle step");
+    assert_eq!(r.last_step, StepShape::default());
+}

@@ -148,6 +148,15 @@ pub const NUM_REQUESTS_WAITING: &str = "duet_num_requests_waiting";
 /// Fraction of a worker's KV pages in use, 0 to 1, by `model_name` (vLLM's
 /// `vllm:kv_cache_usage_perc`, SGLang's `sglang:token_usage`).
 pub const KV_CACHE_USAGE: &str = "duet_kv_cache_usage_perc";
+/// Seconds one engine step took on a worker (compute and sampling of every sequence in it),
+/// by `role` (`decode`, `prefill`): a decode step is every running sequence's inter-token gap.
+pub const ENGINE_STEP: &str = "duet_engine_step_seconds";
+/// Tokens one engine step computed, by `role`: one per decoding sequence, a chunk per prompt
+/// (vLLM's `vllm:iteration_tokens_total`).
+pub const ENGINE_STEP_TOKENS: &str = "duet_engine_step_tokens";
+/// KV positions one engine step's tokens attended over, summed, by `role`: the step's time
+/// is its weights' pass (with the tokens) plus its attention (with these).
+pub const ENGINE_STEP_ATTENDED: &str = "duet_engine_step_attended_tokens";
 }
 
 /// Histogram buckets for latencies, in seconds (sub-millisecond transfers to minute-long
@@ -157,11 +166,13 @@ const SECONDS_BUCKETS: &[f64] = &[
     5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
-/// Histogram buckets for throughputs, in GB/s.
-/// Token counts per request (prompt and output lengths), powers of two.
+/// Token counts (a request's prompt or output, a step's tokens or the positions it attends
+/// over), powers of two.
 const TOKENS_BUCKETS: &[f64] = &[
     1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
+    65536.0, 131072.0, 262144.0, 524288.0, 1048576.0,
 ];
+/// Histogram buckets for throughputs, in GB/s.
 const GBPS_BUCKETS: &[f64] = &[0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
 
 /// Installs the process-wide Prometheus recorder (once) and returns its handle.
@@ -185,6 +196,18 @@ pub fn install() -> PrometheusHandle {
                 .and_then(|b| {
                     b.set_buckets_for_metric(
                         Matcher::Full(REQUEST_GENERATION_TOKENS.into()),
+                        TOKENS_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(ENGINE_STEP_TOKENS.into()),
+                        TOKENS_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(ENGINE_STEP_ATTENDED.into()),
                         TOKENS_BUCKETS,
                     )
                 });

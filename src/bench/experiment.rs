@@ -23,6 +23,8 @@ use rand::rngs::StdRng;
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
+use duet_runtime::metrics as m;
+
 use super::stats::{self, RequestRecord};
 use super::{Ask, BenchArgs, client, plots, prompt, write_json};
 
@@ -73,8 +75,44 @@ pub struct ModeResult {
     pub failed: usize,
     /// Long prompts sent.
     pub long_prompts: usize,
+    /// The decode worker's engine steps over the run, from its own metrics.
+    pub decode_steps: DecodeSteps,
     /// The parameters used.
     pub params: Params,
+}
+
+/// The decode worker's engine steps over one run (its `duet_engine_step_*` metrics, read
+/// from its admin API before the cluster stops): what a steady sequence's gap is made of.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct DecodeSteps {
+    /// Steps computed.
+    pub steps: u64,
+    /// Their mean time, ms.
+    pub mean_ms: f64,
+    /// Tokens per step, mean (the batch, with any prompt chunk computed on decode).
+    pub tokens_mean: f64,
+    /// KV positions attended per step, mean (what the attention grows with).
+    pub attended_mean: f64,
+}
+
+impl DecodeSteps {
+    /// From a node's Prometheus text (zero where the node computed nothing).
+    fn from_metrics(text: &str) -> DecodeSteps {
+        let value = |name: &str| {
+            let series = format!("{name}{{role=\"decode\"}} ");
+            text.lines()
+                .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
+                .sum::<f64>()
+        };
+        let steps = value(&format!("{}_count", m::ENGINE_STEP));
+        let per_step = |total: f64| if steps > 0.0 { total / steps } else { 0.0 };
+        DecodeSteps {
+            steps: steps as u64,
+            mean_ms: per_step(value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3),
+            tokens_mean: per_step(value(&format!("{}_sum", m::ENGINE_STEP_TOKENS))),
+            attended_mean: per_step(value(&format!("{}_sum", m::ENGINE_STEP_ATTENDED))),
+        }
+    }
 }
 
 /// Every record of one mode, for the plots.
@@ -156,8 +194,9 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             p.period_s
         );
         let (records, seconds) = workload(cluster.http, &p).await;
+        let steps = cluster.decode_steps().await;
         cluster.stop().await;
-        let result = result_of(&records, seconds, &p);
+        let result = result_of(&records, seconds, steps, &p);
         eprintln!(
             "{}: ITL p50 {:.1} ms p99 {:.1} ms, long-prompt TTFT p50 {:.0} ms p99 {:.0} ms, {:.1} tok/s",
             mode.name(),
@@ -166,6 +205,14 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             result.ttft_p50_ms,
             result.ttft_p99_ms,
             result.throughput_tok_s
+        );
+        eprintln!(
+            "{}: {} decode steps, mean {:.1} ms, {:.1} tokens and {:.0} KV positions attended per step",
+            mode.name(),
+            steps.steps,
+            steps.mean_ms,
+            steps.tokens_mean,
+            steps.attended_mean
         );
         runs.push(ModeRun {
             name: mode.name(),
@@ -188,6 +235,13 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             r.result.ttft_p50_ms,
             r.result.ttft_p99_ms,
             r.result.throughput_tok_s
+        );
+    }
+    for r in &runs {
+        let d = r.result.decode_steps;
+        println!(
+            "  {:<14} decode steps: mean {:.1} ms over {} steps, {:.1} tokens and {:.0} KV positions attended per step",
+            r.name, d.mean_ms, d.steps, d.tokens_mean, d.attended_mean
         );
     }
     println!(
@@ -275,7 +329,12 @@ async fn prefill_alone(p: &Params) -> Result<f64, String> {
     Ok(times[1])
 }
 
-fn result_of(records: &[RequestRecord], seconds: f64, p: &Params) -> ModeResult {
+fn result_of(
+    records: &[RequestRecord],
+    seconds: f64,
+    decode_steps: DecodeSteps,
+    p: &Params,
+) -> ModeResult {
     let steady: Vec<RequestRecord> = records
         .iter()
         .filter(|r| r.class == "steady")
@@ -302,6 +361,7 @@ fn result_of(records: &[RequestRecord], seconds: f64, p: &Params) -> ModeResult 
         throughput_tok_s: all.throughput_tok_s,
         failed: all.failed,
         long_prompts: long.len(),
+        decode_steps,
         params: p.clone(),
     }
 }
@@ -394,6 +454,9 @@ impl Mode {
 struct Cluster {
     http: std::net::SocketAddr,
     nodes: Vec<tokio::process::Child>,
+    /// The decode worker's admin API, and the cluster token it asks for.
+    decode_admin: std::net::SocketAddr,
+    token_file: PathBuf,
 }
 
 impl Cluster {
@@ -480,7 +543,16 @@ impl Cluster {
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
             nodes.push(child);
         }
-        let cluster = Cluster { http, nodes };
+        let decode_port = workers
+            .iter()
+            .find(|w| w.1 == "decode")
+            .map_or(ports[2], |w| w.2);
+        let cluster = Cluster {
+            http,
+            nodes,
+            decode_admin: std::net::SocketAddr::from(([127, 0, 0, 1], decode_port)),
+            token_file: folder.join(".duet").join("token"),
+        };
         // Ready when every worker reported to the router.
         let want = format!("\"workers\":{}", workers.len());
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -503,6 +575,24 @@ impl Cluster {
                 return Err(format!("the {} cluster never became ready", mode.name()));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The decode worker's steps so far (zero if its metrics cannot be read: the run's other
+    /// figures stand without them).
+    async fn decode_steps(&self) -> DecodeSteps {
+        let Ok(token) = std::fs::read_to_string(&self.token_file) else {
+            return DecodeSteps::default();
+        };
+        match duet_runtime::admin::client::metrics_text(
+            self.decode_admin,
+            token.trim(),
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            Ok(text) => DecodeSteps::from_metrics(&text),
+            Err(_) => DecodeSteps::default(),
         }
     }
 

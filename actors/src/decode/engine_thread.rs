@@ -355,7 +355,15 @@ impl DecodeCore {
     }
 
     pub(super) fn step(&mut self, items: &mut Vec<(String, TokenItem)>) {
-        match self.runner.step() {
+        // Wall time for the metric only: the logic sees `self.now`.
+        let started = Instant::now();
+        let stepped = self.runner.step();
+        crate::worker::record_step(
+            "decode",
+            started.elapsed().as_secs_f64(),
+            self.runner.last_step,
+        );
+        match stepped {
             Ok(events) => {
                 for ev in events {
                     let Some((router, request)) = self.owners.get(&ev.seq).cloned() else {

@@ -404,6 +404,7 @@ impl PrefillCore {
             Ok(e) => e,
             Err(e) => return self.fail_all(ServingError::Prefill(format!("commit: {e}"))),
         };
+        crate::worker::record_step("prefill", started.elapsed().as_secs_f64(), plan.shape());
         for ev in events {
             let (Some(sampler), Some(f)) = (ev.handoff, self.flights.get(&ev.seq)) else {
                 continue;
