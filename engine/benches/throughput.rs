@@ -28,11 +28,9 @@ fn main() {
     };
     let quick = args.iter().any(|a| a == "--quick");
     if args.iter().any(|a| a == "--attention") {
-        // The attention kernel alone, long enough to profile (`ATTN_CTX` sets the context).
+        // The attention kernel alone (`ATTN_CTX`, `ATTN_SEQS`, `ATTN_PAGE` set its shape).
         let model = Model::open(&path).expect("model");
-        for _ in 0..10 {
-            attention_kernel(&model);
-        }
+        attention_kernel(&model);
         return;
     }
     if args.iter().any(|a| a == "--kernels") {
@@ -454,40 +452,42 @@ fn kernels(path: &std::path::Path) {
     );
 }
 
-/// One decode token's attention over every layer at a 480-token context (f16 KV, the model's
-/// heads), alone: its time per position and KV head, and the KV bytes it reads per second.
+/// One decode step's attention over every layer for `ATTN_SEQS` sequences (default 1) at an
+/// `ATTN_CTX`-position context (default 480; f16 KV, the model's heads, pages of
+/// `ATTN_PAGE`, default 16), alone: its time per position and KV head, and the KV bytes it
+/// reads per second. Two ways, alternated in the same process: each token's KV heads in one
+/// call (`whole`), and one call per KV head (`per head`, how a step split its heads over
+/// threads), each head's call right after the last.
 fn attention_kernel(model: &Model) {
     use duet_engine::kernels::attention::{AttnScratch, AttnShape, attend};
     let c = model.config;
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
     let layout = duet_gpu::KvLayout {
         n_layers: c.n_layers,
         n_kv_heads: c.n_kv_heads,
         head_dim: c.head_dim,
-        // `ATTN_PAGE` sets the page size (positions per page; the engine's default is 16).
-        page_size: std::env::var("ATTN_PAGE")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(16),
+        page_size: env("ATTN_PAGE", 16),
         dtype: KvDtype::F16,
     };
-    let ctx = std::env::var("ATTN_CTX")
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(480);
-    let n_pages = layout.pages_for(ctx);
-    let mut pool = duet_gpu::KvPool::new(layout, n_pages).expect("pool");
-    // Backwards: a sequence's pages are not in order in a real pool.
-    let pages: Vec<u32> = (0..n_pages as u32).rev().collect();
+    let (ctx, seqs) = (env("ATTN_CTX", 480), env("ATTN_SEQS", 1));
+    let per_seq = layout.pages_for(ctx);
+    let mut pool = duet_gpu::KvPool::new(layout, per_seq * seqs).expect("pool");
+    // Interleaved and backwards: a sequence's pages are not in order in a real pool.
+    let tables: Vec<Vec<u32>> = (0..seqs)
+        .map(|s| (0..per_seq).rev().map(|i| (i * seqs + s) as u32).collect())
+        .collect();
     let row: Vec<f32> = (0..layout.kv_dim()).map(|i| (i % 7) as f32 * 0.1).collect();
-    for layer in 0..c.n_layers {
-        for j in 0..ctx {
-            pool.write_token(
-                pages[j / layout.page_size],
-                layer,
-                j % layout.page_size,
-                &row,
-                &row,
-            );
+    for pages in &tables {
+        for layer in 0..c.n_layers {
+            for j in 0..ctx {
+                let (page, slot) = (pages[j / layout.page_size], j % layout.page_size);
+                pool.write_token(page, layer, slot, &row, &row);
+            }
         }
     }
     let shape = AttnShape {
@@ -497,31 +497,49 @@ fn attention_kernel(model: &Model) {
     };
     let q = vec![0.01f32; c.n_heads * c.head_dim];
     let mut out = vec![0f32; c.n_heads * c.head_dim];
+    let group_width = c.n_heads / c.n_kv_heads * c.head_dim;
     let mut scratch = AttnScratch::default();
-    let reps = (9600 / ctx).max(4);
-    let start = Instant::now();
-    for _ in 0..reps {
-        for layer in 0..c.n_layers {
-            attend(
-                &pool,
-                layer,
-                shape,
-                0..c.n_kv_heads,
-                &q,
-                ctx - 1,
-                &pages,
-                &mut out,
-                &mut scratch,
-            );
-        }
-    }
-    let per_token = start.elapsed().as_secs_f64() / reps as f64;
-    let units = (c.n_layers * c.n_kv_heads * ctx) as f64;
+    let reps = (9600 / (ctx * seqs)).max(4);
+    let units = (c.n_layers * c.n_kv_heads * ctx * seqs) as f64;
     let bytes = units * 2.0 * (c.head_dim * 2) as f64;
-    println!(
-        "attention ctx {ctx}: {:>8.1} us per token  {:>6.1} ns per position and KV head  {:>5.1} GB/s of KV",
-        per_token * 1e6,
-        per_token / units * 1e9,
-        bytes / per_token / 1e9
-    );
+    let mut best = [f64::MAX; 2];
+    for round in 0..6 {
+        let split = round % 2 == 1;
+        let start = Instant::now();
+        for _ in 0..reps {
+            for layer in 0..c.n_layers {
+                for pages in &tables {
+                    if split {
+                        for (g, o) in out.chunks_mut(group_width).enumerate() {
+                            let (kv, pos) = (g..g + 1, ctx - 1);
+                            attend(&pool, layer, shape, kv, &q, pos, pages, o, &mut scratch);
+                        }
+                    } else {
+                        let (kv, pos) = (0..c.n_kv_heads, ctx - 1);
+                        attend(
+                            &pool,
+                            layer,
+                            shape,
+                            kv,
+                            &q,
+                            pos,
+                            pages,
+                            &mut out,
+                            &mut scratch,
+                        );
+                    }
+                }
+            }
+        }
+        let per_step = start.elapsed().as_secs_f64() / reps as f64;
+        best[split as usize] = best[split as usize].min(per_step);
+    }
+    for (name, per_step) in [("whole", best[0]), ("per head", best[1])] {
+        println!(
+            "attention ctx {ctx} x {seqs} seqs, {name:<8}: {:>8.1} us per step  {:>6.1} ns per position and KV head  {:>5.1} GB/s of KV",
+            per_step * 1e6,
+            per_step / units * 1e9,
+            bytes / per_step / 1e9
+        );
+    }
 }

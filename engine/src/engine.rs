@@ -370,19 +370,32 @@ fn forward(
             );
         }
         kv_done(li);
-        // One work item per (token, KV head): a single decode token still spreads its heads
-        // over the threads; the bits do not depend on the split.
+        // One work item per token and all its KV heads, where there are tokens enough to keep
+        // every thread busy (or one thread); per (token, KV head) where there are not, so a single decode
+        // token still spreads its heads over the threads. The bits do not depend on the split.
+        //
+        // Whole tokens because a page's K and V rows hold every KV head side by side: an
+        // item per head swept the sequence's pages once per head, each sweep using a third of
+        // every line it brought in, and only the first prefetching (the others found the
+        // same page table and layer, so expected them in cache, where a 500 KB sweep at a
+        // 660-token context no longer fits a 512 KB L2).
         let pool_ref: &KvPool = pool;
-        let group_width = (c.n_heads / c.n_kv_heads) * c.head_dim;
+        let heads_per_item = if team.threads() == 1 || t >= 2 * team.threads() {
+            c.n_kv_heads
+        } else {
+            1
+        };
+        let items_per_token = c.n_kv_heads / heads_per_item;
+        let item_width = heads_per_item * (c.n_heads / c.n_kv_heads) * c.head_dim;
         let attend_one = |scratch: &mut AttnScratch, (i, out): (usize, &mut [f32])| {
-            let (tok, g) = (i / c.n_kv_heads, i % c.n_kv_heads);
+            let (tok, g) = (i / items_per_token, i % items_per_token * heads_per_item);
             let tr = &toks[tok];
             let qt = &q[tok * c.dim..(tok + 1) * c.dim];
             attend(
                 pool_ref,
                 li,
                 shape,
-                g..g + 1,
+                g..g + heads_per_item,
                 qt,
                 tr.pos,
                 chunks[tr.chunk].pages,
@@ -397,7 +410,7 @@ fn forward(
         // before, 582-601 after, on an AVX2 EPYC).
         // Longest first leaves the short items to even out the end.
         let items: Vec<(usize, &mut [f32])> =
-            attn.chunks_mut(group_width).enumerate().rev().collect();
+            attn.chunks_mut(item_width).enumerate().rev().collect();
         team.for_each_init(items, AttnScratch::default, attend_one);
         mm(model.w(&layer.wo), &attn, &mut o);
         by_rows(team, t, c.dim, &o, &mut x, |o, x| add_assign(x, o));
