@@ -182,35 +182,25 @@ pub fn install() -> PrometheusHandle {
         .get_or_init(|| {
             use metrics_exporter_prometheus::Matcher;
             // Histograms, not summaries: buckets aggregate across nodes and scrapes.
-            let builder = PrometheusBuilder::new()
-                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-                .and_then(|b| {
-                    b.set_buckets_for_metric(Matcher::Suffix("_gbps".into()), GBPS_BUCKETS)
-                })
-                .and_then(|b| {
-                    b.set_buckets_for_metric(
-                        Matcher::Full(REQUEST_PROMPT_TOKENS.into()),
-                        TOKENS_BUCKETS,
-                    )
-                })
-                .and_then(|b| {
-                    b.set_buckets_for_metric(
-                        Matcher::Full(REQUEST_GENERATION_TOKENS.into()),
-                        TOKENS_BUCKETS,
-                    )
-                })
-                .and_then(|b| {
-                    b.set_buckets_for_metric(
-                        Matcher::Full(ENGINE_STEP_TOKENS.into()),
-                        TOKENS_BUCKETS,
-                    )
-                })
-                .and_then(|b| {
-                    b.set_buckets_for_metric(
-                        Matcher::Full(ENGINE_STEP_ATTENDED.into()),
-                        TOKENS_BUCKETS,
-                    )
-                });
+            // Token counts: the requests' lengths and the steps' sizes.
+            let counts = [
+                REQUEST_PROMPT_TOKENS,
+                REQUEST_GENERATION_TOKENS,
+                ENGINE_STEP_TOKENS,
+                ENGINE_STEP_ATTENDED,
+            ];
+            let builder = counts.iter().fold(
+                PrometheusBuilder::new()
+                    .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                    .and_then(|b| {
+                        b.set_buckets_for_metric(Matcher::Suffix("_gbps".into()), GBPS_BUCKETS)
+                    }),
+                |b, name| {
+                    b.and_then(|b| {
+                        b.set_buckets_for_metric(Matcher::Full((*name).into()), TOKENS_BUCKETS)
+                    })
+                },
+            );
             let recorder = match builder {
                 Ok(b) => b.build_recorder(),
                 Err(_) => PrometheusBuilder::new().build_recorder(),
@@ -241,6 +231,23 @@ mod tests {
             assert!(name.starts_with("duet_"), "{name} lacks the duet_ prefix");
             assert!(seen.insert(name), "{name} is defined twice");
             assert!(help.trim().len() > 10, "{name} has no help text");
+        }
+    }
+
+    #[test]
+    fn latencies_and_token_counts_render_as_histograms_with_their_buckets() {
+        let handle = install();
+        metrics::histogram!(ENGINE_STEP, "role" => "decode").record(0.03);
+        metrics::histogram!(ENGINE_STEP_TOKENS, "role" => "decode").record(4.0);
+        metrics::histogram!(ENGINE_STEP_ATTENDED, "role" => "decode").record(1500.0);
+        let text = handle.render();
+        for bucket in [
+            "duet_engine_step_seconds_bucket{role=\"decode\",le=\"0.05\"} 1",
+            "duet_engine_step_tokens_bucket{role=\"decode\",le=\"4\"} 1",
+            "duet_engine_step_attended_tokens_bucket{role=\"decode\",le=\"1024\"} 0",
+            "duet_engine_step_attended_tokens_bucket{role=\"decode\",le=\"2048\"} 1",
+        ] {
+            assert!(text.contains(bucket), "no `{bucket}` in:\n{text}");
         }
     }
 }
