@@ -371,8 +371,9 @@ fn forward(
         }
         kv_done(li);
         // One work item per token and all its KV heads, where there are tokens enough to keep
-        // every thread busy (or one thread); per (token, KV head) where there are not, so a single decode
-        // token still spreads its heads over the threads. The bits do not depend on the split.
+        // every thread busy (or one thread); per (token, KV head) where there are not, so a
+        // single decode token still spreads its heads over the threads. The bits do not depend
+        // on the split.
         //
         // Whole tokens because a page's K and V rows hold every KV head side by side: an
         // item per head swept the sequence's pages once per head, each sweep using a third of

@@ -120,10 +120,7 @@ pub struct Plan {
 impl Plan {
     /// How much the step computes: what its time grows with.
     pub fn shape(&self) -> StepShape {
-        let mut shape = StepShape {
-            seqs: self.items.len(),
-            ..StepShape::default()
-        };
+        let mut shape = StepShape::default();
         for it in &self.items {
             shape.tokens += it.len;
             // The token at position `p` attends over `p + 1` positions: `start + 1` up to
@@ -138,8 +135,6 @@ impl Plan {
 /// with `tokens`, plus its attention, which grows with `attended`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepShape {
-    /// Sequences in the step.
-    pub seqs: usize,
     /// Tokens computed: one per decoding sequence, a chunk's length per prompt.
     pub tokens: usize,
     /// KV positions the step's tokens attend over, summed.

@@ -188,7 +188,6 @@ fn each_step_reports_the_tokens_it_computed_and_the_positions_they_attended() {
         shapes.push(r.last_step);
     }
     let chunk = |start: usize, len: usize| StepShape {
-        seqs: 1,
         tokens: len,
         attended: (start + 1..=start + len).sum(),
     };

@@ -454,9 +454,8 @@ impl Mode {
 struct Cluster {
     http: std::net::SocketAddr,
     nodes: Vec<tokio::process::Child>,
-    /// The decode worker's admin API, and the cluster token it asks for.
-    decode_admin: std::net::SocketAddr,
-    token_file: PathBuf,
+    /// Its `cluster.toml`.
+    config: PathBuf,
 }
 
 impl Cluster {
@@ -543,15 +542,10 @@ impl Cluster {
             tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
             nodes.push(child);
         }
-        let decode_port = workers
-            .iter()
-            .find(|w| w.1 == "decode")
-            .map_or(ports[2], |w| w.2);
         let cluster = Cluster {
             http,
             nodes,
-            decode_admin: std::net::SocketAddr::from(([127, 0, 0, 1], decode_port)),
-            token_file: folder.join(".duet").join("token"),
+            config,
         };
         // Ready when every worker reported to the router.
         let want = format!("\"workers\":{}", workers.len());
@@ -581,15 +575,19 @@ impl Cluster {
     /// The decode worker's steps so far (zero if its metrics cannot be read: the run's other
     /// figures stand without them).
     async fn decode_steps(&self) -> DecodeSteps {
-        let Ok(token) = std::fs::read_to_string(&self.token_file) else {
+        use duet_runtime::config::{ClusterConfig, Role};
+        let Ok(config) = ClusterConfig::load(&self.config) else {
             return DecodeSteps::default();
         };
-        match duet_runtime::admin::client::metrics_text(
-            self.decode_admin,
-            token.trim(),
-            Duration::from_secs(5),
-        )
-        .await
+        let (Some(decode), Ok(creds)) = (
+            config.nodes.iter().find(|n| n.role == Role::Decode),
+            duet_runtime::credentials::Credentials::load(&config.credentials),
+        ) else {
+            return DecodeSteps::default();
+        };
+        let token = creds.token.expose();
+        match duet_runtime::admin::client::metrics_text(decode.admin, token, Duration::from_secs(5))
+            .await
         {
             Ok(text) => DecodeSteps::from_metrics(&text),
             Err(_) => DecodeSteps::default(),
