@@ -10,6 +10,7 @@
 //! - `--experiment transfer`: the KV transfer micro-benchmark.
 
 pub(crate) mod client;
+mod clusters;
 mod experiment;
 pub(crate) mod plots;
 pub mod stats;
