@@ -42,7 +42,7 @@
 //! (and retries a request that had produced no token on another worker).
 
 use duet_engine::sampling::{SamplerState, TopLogprobs};
-use duet_engine::scheduler::Resume;
+use duet_engine::scheduler::{Resume, SeqEvent};
 use duet_engine::{FinishReason, SamplingParams};
 use duet_gpu::{KvLayout, PageId};
 use duet_transport::{Backend, Endpoint, WriteGrant};
@@ -449,6 +449,22 @@ pub struct TokenItem {
 }
 
 impl TokenItem {
+    /// The item of a token the engine sampled for the router's request `request`.
+    pub fn sampled(request: u64, ev: SeqEvent) -> TokenItem {
+        TokenItem {
+            request,
+            token: Some(ev.token),
+            logprob: ev.logprob,
+            text: ev.text,
+            finish: ev.finish,
+            error: None,
+            cached_tokens: ev.cached_tokens,
+            class: FailureClass::Attempt,
+            code: Default::default(),
+            top: ev.top,
+        }
+    }
+
     /// The failure item of `error`.
     pub fn failed(request: u64, error: &ServingError) -> TokenItem {
         TokenItem {

@@ -15,9 +15,7 @@ use tokio::sync::mpsc;
 use super::attempts::{Ack, Attempts};
 use super::{Cmd, stale};
 use crate::outbox::{Outbox, Outgoing};
-use crate::protocol::{
-    FailureClass, Generate, LoadReport, PrefillPeer, ServingError, TokenItem, TransferDone,
-};
+use crate::protocol::{Generate, LoadReport, PrefillPeer, ServingError, TokenItem, TransferDone};
 
 /// A request waiting for pages.
 pub(super) struct Prealloc {
@@ -383,21 +381,7 @@ impl DecodeCore {
                         self.spans.remove(&ev.seq);
                         self.first_tokens.remove(&ev.seq);
                     }
-                    items.push((
-                        router,
-                        TokenItem {
-                            request,
-                            token: Some(ev.token),
-                            logprob: ev.logprob,
-                            text: ev.text,
-                            finish: ev.finish,
-                            error: None,
-                            cached_tokens: ev.cached_tokens,
-                            class: FailureClass::Attempt,
-                            code: Default::default(),
-                            top: ev.top,
-                        },
-                    ));
+                    items.push((router, TokenItem::sampled(request, ev)));
                 }
             }
             Err(e) => {

@@ -16,8 +16,8 @@ use super::engine_thread::{DecodeCore, Prealloc, Transfer};
 use super::{receiver, stale};
 use crate::history;
 use crate::protocol::{
-    Abort, BOOTSTRAP_SERVICE, FailureClass, PreallocNotice, PrefillPeer, ServingError, TokenItem,
-    TransferDone, kinds,
+    Abort, BOOTSTRAP_SERVICE, PreallocNotice, PrefillPeer, ServingError, TokenItem, TransferDone,
+    kinds,
 };
 
 impl DecodeCore {
@@ -412,21 +412,7 @@ impl DecodeCore {
                     self.spans.remove(&t.seq);
                     self.first_tokens.remove(&t.seq);
                 }
-                items.push((
-                    t.router.clone(),
-                    TokenItem {
-                        request: t.generate.request,
-                        token: Some(ev.token),
-                        logprob: ev.logprob,
-                        text: ev.text,
-                        finish: ev.finish,
-                        error: None,
-                        cached_tokens: ev.cached_tokens,
-                        class: FailureClass::Attempt,
-                        code: Default::default(),
-                        top: ev.top,
-                    },
-                ));
+                items.push((t.router.clone(), TokenItem::sampled(t.generate.request, ev)));
                 if finished {
                     self.owners.remove(&t.seq);
                     self.seqs.remove(&(t.router, t.generate.request));
