@@ -12,6 +12,8 @@
 
 use std::arch::x86_64::*;
 
+use super::lines::Lines;
+
 mod attend;
 pub use attend::attend;
 #[cfg(test)]
@@ -105,12 +107,21 @@ impl Block for Q8_0Wide {
 /// 19.7 and 25.9 at 6 (`--kernels`, an AVX2 EPYC).
 pub const MANY_FROM: usize = 3;
 
-/// Rows dequantized at a time by [`rows_many`]: 16 rows of up to 1,536 f32 (96 KiB) stay in
-/// L2 while every token passes over them.
-const PANEL_ROWS: usize = 16;
-/// Tokens per register tile in [`rows_many`]: 2 rows x 3 tokens x 2 halves is 12
-/// accumulators, plus the 2 weight registers, of the 16.
-const TOKENS_MANY: usize = 3;
+/// Rows dequantized at a time by [`rows_many`]: 15 rows (5 tiles) of up to 1,536 f32 (90 KiB)
+/// stay in L2 while every token passes over them.
+const PANEL_ROWS: usize = 15;
+/// Rows and tokens per register tile in [`rows_many`]. A tile runs over one half of the
+/// lanes at a time ([`half_pass`]), so 4 rows x 3 tokens is 12 accumulators, and 4 weight
+/// registers (or 3 and a memory operand) and a token's fill the 16. The tile it replaced,
+/// 2 rows x 3 tokens with both halves at once, loaded 10 registers per 12 fused
+/// multiply-adds where this loads 7, and ran at 29-32 GMAC/s from L1 against this one's
+/// 37-39 (a C model of both loops, best of 7, on a Zen 3 core with a 47 GMAC/s FMA peak).
+const ROWS_MANY: usize = 3;
+const TOKENS_MANY: usize = 4;
+/// The activations [`rows_many`] sweeps at once, at most (bytes): half of a 512 KiB L2 (Zen
+/// 3's), so they stay there while every panel passes over them, each block of tokens
+/// dequantizing the weights again (as the AVX-512 kernel's `X_BLOCK_BYTES`).
+const X_BLOCK_BYTES: usize = 256 << 10;
 
 /// One tile: `out[j * out_stride + i] = dot(row i, token j)`.
 ///
@@ -230,9 +241,49 @@ pub unsafe fn rows<B: Block>(
     }
 }
 
-/// A tile over f32 weights already dequantized (`R` rows, `ws[i]`, of `cols`), the same
-/// operations in the same order as [`tile`]: per 16 weights, lanes 0-7 then 8-15, one fused
-/// multiply-add each, in increasing `k`; then the fixed tree. So the bits match.
+/// `row` (a multiple of 16 long) with its lanes 0-7 of every 16 elements first, then its
+/// lanes 8-15, so that each half of a tile's sums reads contiguous memory.
+fn split_halves(row: &[f32], out: &mut [f32]) {
+    let half = row.len() / 2;
+    for (s, chunk) in row.chunks_exact(16).enumerate() {
+        out[8 * s..8 * s + 8].copy_from_slice(&chunk[..8]);
+        out[half + 8 * s..half + 8 * s + 8].copy_from_slice(&chunk[8..]);
+    }
+}
+
+/// One half of a tile over f32 weights and tokens split into halves ([`split_halves`]): the
+/// accumulators of lanes 0-7 (`ws` and `xs` at the rows' and tokens' first halves) or of
+/// lanes 8-15 (at their second halves). Each lane's sum is its fused multiply-adds in
+/// increasing `k`, as [`tile`]'s, whether the other half runs beside it or after it.
+///
+/// # Safety
+/// Each `ws[i]` and `xs[j]` holds `8 * steps` f32; AVX2 and FMA are available.
+#[inline(always)]
+unsafe fn half_pass<const R: usize, const T: usize>(
+    ws: [*const f32; R],
+    xs: [*const f32; T],
+    steps: usize,
+) -> [[__m256; T]; R] {
+    // SAFETY: per the function contract.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        for s in 0..steps {
+            let w: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(ws[i].add(8 * s)));
+            for j in 0..T {
+                let x = _mm256_loadu_ps(xs[j].add(8 * s));
+                for i in 0..R {
+                    acc[i][j] = _mm256_fmadd_ps(w[i], x, acc[i][j]);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// A tile over f32 weights already dequantized into the panel (`R` rows, `ws[i]`, of
+/// `cols`) and tokens (`xs[j]`), both split into halves ([`split_halves`]): the same
+/// operations in the same order as [`tile`], one half of the lanes after the other; then the
+/// fixed tree. So the bits match.
 ///
 /// # Safety
 /// Each `ws[i]` holds `cols` f32, each `xs[j]` `cols` f32, `out` every written index; AVX2
@@ -245,28 +296,12 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    // SAFETY: per the function contract.
+    let steps = cols / 16;
+    // SAFETY: per the function contract; the second halves start `cols / 2` in.
     unsafe {
-        let mut lo = [[_mm256_setzero_ps(); T]; R];
-        let mut hi = [[_mm256_setzero_ps(); T]; R];
-        let mut k = 0;
-        while k < cols {
-            let wl: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(ws[i].add(k)));
-            for j in 0..T {
-                let x = _mm256_loadu_ps(xs[j].add(k));
-                for i in 0..R {
-                    lo[i][j] = _mm256_fmadd_ps(wl[i], x, lo[i][j]);
-                }
-            }
-            let wh: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(ws[i].add(k + 8)));
-            for j in 0..T {
-                let x = _mm256_loadu_ps(xs[j].add(k + 8));
-                for i in 0..R {
-                    hi[i][j] = _mm256_fmadd_ps(wh[i], x, hi[i][j]);
-                }
-            }
-            k += 16;
-        }
+        let lo = half_pass::<R, T>(ws, xs, steps);
+        let half = |p: *const f32| p.add(cols / 2);
+        let hi = half_pass::<R, T>(ws.map(half), xs.map(half), steps);
         for i in 0..R {
             for j in 0..T {
                 *out.add(j * out_stride + i) = hsum(lo[i][j], hi[i][j]);
@@ -276,9 +311,10 @@ unsafe fn tile_f32<const R: usize, const T: usize>(
 }
 
 /// Like [`rows`], for many tokens: [`PANEL_ROWS`] rows at a time are dequantized once into an
-/// f32 panel (L2-sized), then every token passes over it, [`TOKENS_MANY`] tokens by 2 rows in
-/// registers. Dequantizing once per panel instead of once per pair of tokens is what lets
-/// a decode batch run near the FMA peak. Same bits as [`rows`].
+/// f32 panel (L2-sized), then every token of a block ([`X_BLOCK_BYTES`]) passes over it,
+/// [`TOKENS_MANY`] tokens by [`ROWS_MANY`] rows in registers. Dequantizing once per panel
+/// instead of once per pair of tokens is what lets a decode batch run near the FMA peak.
+/// Same bits as [`rows`].
 ///
 /// # Safety
 /// As for [`rows`].
@@ -294,10 +330,62 @@ pub unsafe fn rows_many<B: Block>(
     out: *mut f32,
     out_stride: usize,
 ) {
+    // Tokens in blocks whose activations stay in L2 while every panel passes over them.
+    let per = (X_BLOCK_BYTES / (cols * 4).max(1)).max(TOKENS_MANY);
+    // Both on cache lines, so that no 8-lane load straddles two (`super::lines`).
+    let mut panel = Lines::zeros(PANEL_ROWS * cols);
+    let mut split = Lines::zeros(per.min(tokens) * cols);
+    let mut t0 = 0;
+    while t0 < tokens {
+        let nt = per.min(tokens - t0);
+        // The block's tokens split as the panel's rows are (a copy of `nt * cols` f32
+        // against `n * nt * cols` multiply-adds).
+        for (t, s) in x[t0 * cols..(t0 + nt) * cols]
+            .chunks_exact(cols)
+            .zip(split.chunks_exact_mut(cols))
+        {
+            split_halves(t, s);
+        }
+        // SAFETY: the block's outputs are inside the caller's; the rest is the caller's
+        // contract.
+        unsafe {
+            sweep_block::<B>(
+                w,
+                cols,
+                first,
+                n,
+                &split,
+                nt,
+                &mut panel,
+                out.add(t0 * out_stride),
+                out_stride,
+            )
+        }
+        t0 += nt;
+    }
+}
+
+/// [`rows_many`] for one block of tokens, already split into halves (`split`, `tokens` of
+/// them), through `panel` ([`PANEL_ROWS`] rows of `cols`).
+///
+/// # Safety
+/// As for [`rows`], `split` for `x`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn sweep_block<B: Block>(
+    w: &[u8],
+    cols: usize,
+    first: usize,
+    n: usize,
+    split: &[f32],
+    tokens: usize,
+    panel: &mut [f32],
+    out: *mut f32,
+    out_stride: usize,
+) {
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
-    let mut panel = vec![0f32; PANEL_ROWS * cols];
-    let (base, xb, ob, pp) = (w.as_ptr(), x.as_ptr(), out, panel.as_mut_ptr());
+    let (base, xb, ob, pp) = (w.as_ptr(), split.as_ptr(), out, panel.as_mut_ptr());
     // SAFETY: every pointer below stays inside `w`, `x`, `out` and `panel` per the contract.
     unsafe {
         let tok = |t: usize| xb.add(t * cols);
@@ -306,19 +394,26 @@ pub unsafe fn rows_many<B: Block>(
             let panel_rows = (n - r).min(PANEL_ROWS);
             for i in 0..panel_rows {
                 let row = base.add((first + r + i) * rb);
+                // Weights 0-7 and 16-23 of each block go to the row's first half, 8-15
+                // and 24-31 to its second, as `tile_f32` reads them.
+                let (lo, hi) = (pp.add(i * cols), pp.add(i * cols + cols / 2));
                 for b in 0..blocks {
                     let q = B::load(row.add(b * B::BYTES));
-                    for (c, v) in q.iter().enumerate() {
-                        _mm256_storeu_ps(pp.add(i * cols + b * 32 + 8 * c), *v);
-                    }
+                    _mm256_storeu_ps(lo.add(b * 16), q[0]);
+                    _mm256_storeu_ps(hi.add(b * 16), q[1]);
+                    _mm256_storeu_ps(lo.add(b * 16 + 8), q[2]);
+                    _mm256_storeu_ps(hi.add(b * 16 + 8), q[3]);
                 }
             }
-            let mut t = 0;
+            // The tokens in groups as even as [`TOKENS_MANY`] allows (6 as 3 + 3, not 4 + 2:
+            // a 2-token tile's 6 accumulators leave the FMA latency exposed).
+            let (mut t, mut groups) = (0, tokens.div_ceil(TOKENS_MANY));
             while t < tokens {
-                let group = (tokens - t).min(TOKENS_MANY);
+                let group = (tokens - t).div_ceil(groups);
+                groups -= 1;
                 let mut i = 0;
                 while i < panel_rows {
-                    let pair = (panel_rows - i).min(2);
+                    let tile_rows = (panel_rows - i).min(ROWS_MANY);
                     let o = ob.add(t * out_stride + r + i);
                     macro_rules! go {
                         ($R:literal, $T:literal) => {
@@ -331,15 +426,21 @@ pub unsafe fn rows_many<B: Block>(
                             )
                         };
                     }
-                    match (pair, group) {
+                    match (tile_rows, group) {
+                        (3, 4) => go!(3, 4),
+                        (3, 3) => go!(3, 3),
+                        (3, 2) => go!(3, 2),
+                        (3, 1) => go!(3, 1),
+                        (2, 4) => go!(2, 4),
                         (2, 3) => go!(2, 3),
                         (2, 2) => go!(2, 2),
                         (2, 1) => go!(2, 1),
+                        (1, 4) => go!(1, 4),
                         (1, 3) => go!(1, 3),
                         (1, 2) => go!(1, 2),
                         _ => go!(1, 1),
                     }
-                    i += pair;
+                    i += tile_rows;
                 }
                 t += group;
             }

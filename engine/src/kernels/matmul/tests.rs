@@ -93,7 +93,7 @@ fn the_dispatched_kernel_computes_the_portable_bits() {
         // 2-row tiles); from `MANY_FROM` (3 on AVX2, 9 on AVX-512) the many-token kernels
         // (every edge of their panels and token groups; from 64 tokens AVX-512's taller
         // tile; 100 tokens of 1,536 columns outgrow its block of activations: a block of
-        // 85, then a short one).
+        // 85, then a short one; AVX2's blocks of 42, then 16).
         for tokens in (1..12).chain([16, 32, 35, 70, 100]) {
             let x = random(tokens * cols, 8 + tokens as u64);
             for (first, n) in [(0, rows), (1, 5), (4, 9), (12, 1), (3, 33)] {
