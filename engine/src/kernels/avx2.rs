@@ -111,11 +111,12 @@ pub const MANY_FROM: usize = 3;
 /// stay in L2 while every token passes over them.
 const PANEL_ROWS: usize = 15;
 /// Rows and tokens per register tile in [`rows_many`]. A tile runs over one half of the
-/// lanes at a time ([`half_pass`]), so 4 rows x 3 tokens is 12 accumulators, and 4 weight
-/// registers (or 3 and a memory operand) and a token's fill the 16. The tile it replaced,
-/// 2 rows x 3 tokens with both halves at once, loaded 10 registers per 12 fused
-/// multiply-adds where this loads 7, and ran at 29-32 GMAC/s from L1 against this one's
-/// 37-39 (a C model of both loops, best of 7, on a Zen 3 core with a 47 GMAC/s FMA peak).
+/// lanes at a time ([`half_pass`]), so 3 rows x 4 tokens is 12 accumulators, and 3 weight
+/// registers and a token's fill the 16 (4 x 3 needs a 17th: the compiler spilled an
+/// accumulator every step). The tile it replaced, 2 rows x 3 tokens with both halves at
+/// once, loaded 10 registers per 12 fused multiply-adds where this loads 7, and ran at
+/// 29-32 GMAC/s from L1 against this one's 37-39 (a C model of both loops, best of 7, on a
+/// Zen 3 core with a 47 GMAC/s FMA peak).
 const ROWS_MANY: usize = 3;
 const TOKENS_MANY: usize = 4;
 /// The activations [`rows_many`] sweeps at once, at most (bytes): half of a 512 KiB L2 (Zen
