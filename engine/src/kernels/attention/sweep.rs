@@ -56,11 +56,11 @@ impl<E> Seq<'_, E> {
     /// Sapphire Rapids core: 155-166 -> 182-187 tok/s (every fourth line only: 161-170).
     /// Where one call attends every KV head, each head asks for its own rows of the next page
     /// as it starts, so the block comes in three bursts of 32 lines instead of one of 96:
-    /// 41.7-46.8 -> 32.7-36.4 ns per position and KV head at 500 x 4 and 256 x 32 contexts
-    /// (`throughput --attention`, 3 rounds, a Zen 3 core whose L1 keeps 24 misses in
-    /// flight). A call for one head of several asks for the whole block: the other heads'
-    /// calls, next on this thread or the other, then find it in L2 (asking for only its own
-    /// rows, 54-58 -> 60-65 ns).
+    /// 42.5-47.0 -> 34.7-38.6 ns per position and KV head at 500 x 4 and 256 x 32 contexts
+    /// (`throughput --attention`, 3 rounds, a Zen 3 core; presumably a burst longer than the
+    /// misses the core keeps in flight lost its tail). A call for one head of several asks
+    /// for the whole block: the other heads' calls, next on this thread or the other, then
+    /// find it in L2 (asking for only its own rows: 54-58 -> 60-65 ns).
     /// Not when `cold` is false: a prompt chunk's next token finds its KV in cache, and the
     /// prefetches cost prefill 283-305 against 300-312 tok/s. A prefetch never faults, so
     /// no bound check.
