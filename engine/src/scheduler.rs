@@ -19,11 +19,11 @@ use duet_gpu::{PageAllocator, PageId, PoolError};
 
 use crate::engine::SeqChunk;
 use crate::prefix_cache::PrefixCache;
-use crate::sampling::{
-    FinishReason, Sampled, Sampler, SamplerState, SamplingParams, TopLogprobs, find_stop,
-};
+use crate::sampling::{FinishReason, Sampler, SamplerState, SamplingParams, TopLogprobs};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
+mod commit;
+mod handoff;
 mod plan;
 
 pub use plan::{Plan, PlanItem, StepShape};
@@ -165,7 +165,7 @@ impl Seq {
             self.text.push_str(&self.decoder.push(tok, t));
         }
         self.generated = resume.generated;
-        self.emitted = floor_char_boundary(&self.text, resume.emitted.min(self.text.len()));
+        self.emitted = commit::floor_char_boundary(&self.text, resume.emitted.min(self.text.len()));
     }
 }
 
@@ -574,209 +574,9 @@ impl Scheduler {
             .collect()
     }
 
-    /// Takes a step's logits (one entry per plan item), samples, and finishes sequences.
-    pub fn commit(
-        &mut self,
-        plan: &Plan,
-        logits: &[Option<Vec<f32>>],
-        tok: &Tokenizer,
-        alloc: &mut PageAllocator,
-        cache: &mut PrefixCache,
-    ) -> Result<Vec<SeqEvent>, PoolError> {
-        let ps = self.cfg.page_size;
-        let mut events = Vec::new();
-        for (item, logits) in plan.items.iter().zip(logits) {
-            let Some(seq) = self.seqs.get_mut(&item.seq) else {
-                continue;
-            };
-            seq.computed += item.len;
-            let Some(logits) = logits.as_ref().filter(|_| item.sample) else {
-                continue;
-            };
-            if seq.computed == seq.prompt_len {
-                // The prompt is computed: its full pages can serve later requests.
-                let full = seq.prompt_len / ps;
-                cache.insert(
-                    &seq.tokens[..full * ps],
-                    &seq.pages[..full.min(seq.pages.len())],
-                    alloc,
-                )?;
-            }
-            let params = seq.sampler.params();
-            let eos = tok.eos.filter(|_| !params.ignore_eos);
-            let banned = eos.filter(|_| seq.generated < params.min_tokens);
-            let generated = &seq.tokens[seq.tokens.len() - seq.generated.min(seq.tokens.len())..];
-            let s = seq.sampler.sample(logits, banned, generated);
-            if seq.prefill_only {
-                // Prefill's part ends here: the token and the sampler's state go to decode,
-                // which does the text and the stopping.
-                events.push(SeqEvent {
-                    seq: item.seq,
-                    token: s.token,
-                    logprob: s.logprob,
-                    top: s.top,
-                    text: String::new(),
-                    finish: None,
-                    cached_tokens: seq.cached_tokens,
-                    handoff: Some(seq.sampler.state()),
-                });
-                self.finish(item.seq, alloc)?;
-                continue;
-            }
-            events.push(self.accept(item.seq, s, tok, alloc)?);
-        }
-        Ok(events)
-    }
-
-    /// Queues a prompt that is only prefilled here: its first token is sampled and the
-    /// sequence ends, reporting the token and the sampler's state in [`SeqEvent::handoff`]
-    /// (prefill in a disaggregated pair). Its pages stay in the prefix cache.
-    pub fn submit_prefill(
-        &mut self,
-        id: SeqId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        resume: Resume,
-    ) -> Result<(), SubmitError> {
-        // Prefill samples only the next token: it needs the sampler's position and the
-        // min_tokens count, not the text.
-        let generated = resume.generated;
-        self.queue(id, prompt, params, resume, None, true)?;
-        if let Some(seq) = self.seqs.get_mut(&id) {
-            seq.prefill_only = true;
-            seq.generated = generated;
-        }
-        Ok(())
-    }
-
     /// The page table of a sequence.
     pub fn pages(&self, id: SeqId) -> Option<&[PageId]> {
         self.seqs.get(&id).map(|s| s.pages.as_slice())
-    }
-
-    /// Starts decoding a sequence whose prompt KV arrived from elsewhere: `pages` (one
-    /// reference each, handed over) hold the whole prompt, `first` was sampled by prefill and
-    /// `sampler` is the stream's state after it. A migrated stream's `resume` says which
-    /// prompt tokens were generated before. Returns the first token's event.
-    #[allow(clippy::too_many_arguments)]
-    pub fn admit_transferred(
-        &mut self,
-        id: SeqId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        resume: Resume,
-        sampler: SamplerState,
-        pages: Vec<PageId>,
-        first: Sampled,
-        cached_tokens: usize,
-        tok: &Tokenizer,
-        alloc: &mut PageAllocator,
-        cache: &mut PrefixCache,
-    ) -> Result<SeqEvent, AdmitError> {
-        let ps = self.cfg.page_size;
-        if self.seqs.contains_key(&id) {
-            return Err(AdmitError::Submit(SubmitError::Duplicate(id)));
-        }
-        if prompt.is_empty()
-            || resume.generated >= prompt.len()
-            || pages.len() != prompt.len().div_ceil(ps)
-        {
-            return Err(AdmitError::PagesMismatch {
-                tokens: prompt.len(),
-                pages: pages.len(),
-            });
-        }
-        let full = prompt.len() / ps;
-        cache.insert(&prompt[..full * ps], &pages[..full], alloc)?;
-        self.admissions += 1;
-        let mut seq = Seq {
-            prompt_len: prompt.len(),
-            computed: prompt.len(),
-            tokens: prompt,
-            pages,
-            sampler: Sampler::resume(params, sampler),
-            decoder: StreamDecoder::default(),
-            text: String::new(),
-            emitted: 0,
-            generated: 0,
-            cached_tokens,
-            admitted: self.admissions,
-            prefill_only: false,
-        };
-        seq.resume(resume, tok);
-        self.seqs.insert(id, seq);
-        self.running.push(id);
-        Ok(self.accept(id, first, tok, alloc)?)
-    }
-
-    /// Appends a sampled token: stop strings, EOS, length, the text that is now final.
-    fn accept(
-        &mut self,
-        id: SeqId,
-        s: Sampled,
-        tok: &Tokenizer,
-        alloc: &mut PageAllocator,
-    ) -> Result<SeqEvent, PoolError> {
-        let max_context = self.cfg.max_context.min(self.cfg.pool_tokens);
-        let Some(seq) = self.seqs.get_mut(&id) else {
-            return Err(PoolError::NotAllocated(0));
-        };
-        let params = seq.sampler.params();
-        let eos = tok.eos.filter(|_| !params.ignore_eos);
-        seq.tokens.push(s.token);
-        seq.generated += 1;
-        let mut finish = None;
-        if Some(s.token) == eos {
-            finish = Some(FinishReason::Stop);
-        } else {
-            seq.text.push_str(&seq.decoder.push(tok, s.token));
-        }
-        let may_stop = seq.generated >= params.min_tokens;
-        let mut visible = seq.text.len();
-        if let Some(at) = find_stop(&seq.text, &params.stop).filter(|_| may_stop) {
-            visible = at;
-            finish = Some(FinishReason::Stop);
-        }
-        if finish.is_none()
-            && (seq.generated >= params.max_tokens || seq.tokens.len() >= max_context)
-        {
-            finish = Some(FinishReason::Length);
-        }
-        if finish.is_none() {
-            // Hold back what could still turn out to be the start of a stop string.
-            let hold = params
-                .stop
-                .iter()
-                .map(|s| s.len().saturating_sub(1))
-                .max()
-                .unwrap_or(0);
-            visible = floor_char_boundary(&seq.text, seq.text.len().saturating_sub(hold));
-        } else if finish == Some(FinishReason::Length) {
-            seq.text.push_str(&seq.decoder.finish());
-            visible = seq.text.len();
-        }
-        let visible = visible.max(seq.emitted);
-        let text = seq.text[seq.emitted..visible].to_string();
-        seq.emitted = visible;
-        let cached_tokens = if seq.generated == 1 {
-            seq.cached_tokens
-        } else {
-            0
-        };
-        let event = SeqEvent {
-            seq: id,
-            token: s.token,
-            logprob: s.logprob,
-            top: s.top,
-            text,
-            finish,
-            cached_tokens,
-            handoff: None,
-        };
-        if finish.is_some() {
-            self.finish(id, alloc)?;
-        }
-        Ok(event)
     }
 
     fn finish(&mut self, id: SeqId, alloc: &mut PageAllocator) -> Result<(), PoolError> {
@@ -786,11 +586,4 @@ impl Scheduler {
         }
         Ok(())
     }
-}
-
-fn floor_char_boundary(s: &str, mut i: usize) -> usize {
-    while i > 0 && !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
 }
