@@ -118,6 +118,7 @@ const PANEL_ROWS: usize = 15;
 /// 29-32 GMAC/s from L1 against this one's 37-39 (a C model of both loops, best of 7, on a
 /// Zen 3 core with a 47 GMAC/s FMA peak).
 const ROWS_MANY: usize = 3;
+/// See [`ROWS_MANY`].
 const TOKENS_MANY: usize = 4;
 /// The activations [`rows_many`] sweeps at once, at most (bytes): half of a 512 KiB L2 (Zen
 /// 3's), so they stay there while every panel passes over them, each block of tokens
@@ -387,7 +388,8 @@ unsafe fn sweep_block<B: Block>(
     let blocks = cols / 32;
     let rb = blocks * B::BYTES;
     let (base, xb, ob, pp) = (w.as_ptr(), split.as_ptr(), out, panel.as_mut_ptr());
-    // SAFETY: every pointer below stays inside `w`, `x`, `out` and `panel` per the contract.
+    // SAFETY: every pointer below stays inside `w`, `split`, `out` and `panel` per the
+    // contract.
     unsafe {
         let tok = |t: usize| xb.add(t * cols);
         let mut r = 0;

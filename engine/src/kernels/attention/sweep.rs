@@ -46,9 +46,9 @@ impl<E> Seq<'_, E> {
         unsafe { (self.blocks)(j / self.page_size, v).add((j % self.page_size) * self.kv_dim + at) }
     }
 
-    /// Asks for the K (`v = false`) or V rows of page `page`, a page ahead of their use:
-    /// the elements `at..at + head_dim` of each row (one KV head's) where `head` is set,
-    /// else the whole block.
+    /// Asks for the K (`v = false`) or V rows of page `page` that KV head `g` of a call over
+    /// `kv_heads` needs, a page ahead of their use: head `g`'s part of each row where the call
+    /// attends every KV head; the whole block when `g` is the first of fewer; else nothing.
     ///
     /// A sequence's pages lie anywhere in the pool, and one layer's block of a page (6 KB
     /// for SmolLM2's f16 KV) is too short for the hardware prefetcher to ramp up in; every
@@ -65,8 +65,9 @@ impl<E> Seq<'_, E> {
     /// prefetches cost prefill 283-305 against 300-312 tok/s. A prefetch never faults, so
     /// no bound check.
     #[inline(always)]
-    fn prefetch(&self, page: usize, v: bool, head: Option<usize>) {
-        if !self.cold || page * self.page_size >= self.len {
+    fn prefetch(&self, page: usize, v: bool, kv_heads: &std::ops::Range<usize>, g: usize) {
+        let every = kv_heads.len() * self.head_dim == self.kv_dim;
+        if !self.cold || page * self.page_size >= self.len || (!every && g != kv_heads.start) {
             return;
         }
         let size = std::mem::size_of::<E>();
@@ -84,13 +85,12 @@ impl<E> Seq<'_, E> {
                 b += 64;
             }
         };
-        match head {
-            Some(at) => {
-                for j in 0..self.page_size {
-                    lines(j * row + at * size, self.head_dim * size);
-                }
+        if every {
+            for j in 0..self.page_size {
+                lines(j * row + g * self.head_dim * size, self.head_dim * size);
             }
-            None => lines(0, self.page_size * row),
+        } else {
+            lines(0, self.page_size * row);
         }
     }
 }
@@ -152,15 +152,6 @@ pub(crate) unsafe fn sweep<E, K: Tiles<E>>(
 ) {
     let (head_dim, len) = (seq.head_dim, seq.len);
     let heads = kv_heads.len() * group;
-    // Every KV head in this call: each asks for its own rows of the next page; else the
-    // first asks for the whole block (`Seq::prefetch` says why). `ask(i, at)` is what the
-    // `i`-th head asks for: nothing, the block (`Some(None)`) or its rows (`Some(Some(at))`).
-    let every = kv_heads.len() * head_dim == seq.kv_dim;
-    let ask = |i: usize, at: usize| match (every, i) {
-        (true, _) => Some(Some(at)),
-        (false, 0) => Some(None),
-        (false, _) => None,
-    };
     // Every head's scores, then their sums' place.
     scores.resize(heads * len + heads, 0.0);
     let (rows, sums) = scores.split_at_mut(heads * len);
@@ -170,9 +161,7 @@ pub(crate) unsafe fn sweep<E, K: Tiles<E>>(
         for (page, span) in seq.pages().enumerate() {
             for (i, g) in kv_heads.clone().enumerate() {
                 let at = g * head_dim;
-                if let Some(head) = ask(i, at) {
-                    seq.prefetch(page + 1, false, head);
-                }
+                seq.prefetch(page + 1, false, &kv_heads, g);
                 let q0 = q.as_ptr().add(g * group * head_dim);
                 let mut h = 0;
                 while h < group {
@@ -197,9 +186,7 @@ pub(crate) unsafe fn sweep<E, K: Tiles<E>>(
         for (page, span) in seq.pages().enumerate() {
             for (i, g) in kv_heads.clone().enumerate() {
                 let at = g * head_dim;
-                if let Some(head) = ask(i, at) {
-                    seq.prefetch(page + 1, true, head);
-                }
+                seq.prefetch(page + 1, true, &kv_heads, g);
                 let o0 = out.as_mut_ptr().add(i * group * head_dim);
                 let mut h = 0;
                 while h < group {
