@@ -119,6 +119,9 @@ pub const TRANSFER_WRITE: &str = "duet_transfer_write_seconds";
 pub const KV_BYTES_SENT: &str = "duet_kv_bytes_sent_total";
 /// KV bytes received by decode over TCP.
 pub const KV_BYTES_RECEIVED: &str = "duet_kv_bytes_received_total";
+/// Decode: frames that came over TCP for an attempt it had revoked (the sender had not heard
+/// yet), read and dropped; the connection carries on.
+pub const KV_FRAMES_DROPPED: &str = "duet_kv_frames_dropped_total";
 /// Transfers, by `outcome` (`completed`, `aborted`, `failed`) and `side`.
 pub const TRANSFERS: &str = "duet_transfers_total";
 /// Prefill chunks computed on prefill workers.

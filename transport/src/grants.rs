@@ -31,6 +31,17 @@ use crate::ledger::AttemptKey;
 /// takes longer has a stalled sender, and the read must end before the pages are reused).
 const LANDING_GRACE: Duration = Duration::from_millis(200);
 
+/// What [`Grants::begin_landing`] says of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landing {
+    /// Its attempt's grant covers it: it may land (and is registered as landing).
+    Granted,
+    /// Its attempt holds no grant (revoked, or never granted): it lands nowhere.
+    NoGrant,
+    /// Its attempt holds a grant that does not cover these bytes.
+    OutsideGrant,
+}
+
 /// What an attempt may write, and whether any of it came by TCP.
 #[derive(Debug)]
 struct Grant {
@@ -203,24 +214,28 @@ impl Grants {
             .is_some_and(|g| g.ranges.iter().any(|r| r.start <= start && end <= r.end))
     }
 
-    /// A frame on `conn` may be read into the pool: true (and registered as landing until
-    /// [`end_landing`](Self::end_landing)) when the grant covers it.
+    /// Whether a frame on `conn` may be read into the pool: [`Landing::Granted`] (and
+    /// registered as landing until [`end_landing`](Self::end_landing)) when the attempt's
+    /// grant covers it.
     pub(crate) fn begin_landing(
         &self,
         attempt: AttemptKey,
         offset: u64,
         len: u32,
         conn: &Arc<TcpStream>,
-    ) -> bool {
+    ) -> Landing {
         let mut table = self.lock();
+        if !table.grants.contains_key(&attempt) {
+            return Landing::NoGrant;
+        }
         if !Self::covers(&table, attempt, offset, len) {
-            return false;
+            return Landing::OutsideGrant;
         }
         if let Some(g) = table.grants.get_mut(&attempt) {
             g.by_tcp = true;
         }
         table.landing.entry(attempt).or_default().push(conn.clone());
-        true
+        Landing::Granted
     }
 
     pub(crate) fn end_landing(&self, attempt: AttemptKey, conn: &Arc<TcpStream>) {
@@ -239,7 +254,7 @@ impl Grants {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io::Write;
     use std::net::TcpListener;
 
@@ -254,7 +269,8 @@ mod tests {
         (a, l.accept().unwrap().0)
     }
 
-    fn header(kind: u32, attempt: u64, offset: u64, len: u32) -> Vec<u8> {
+    /// A frame header as a sender writes it (tests that write raw frames).
+    pub(crate) fn header(kind: u32, attempt: u64, offset: u64, len: u32) -> Vec<u8> {
         let mut h = kind.to_le_bytes().to_vec();
         h.extend(attempt.to_le_bytes());
         h.extend(offset.to_le_bytes());
@@ -301,8 +317,13 @@ mod tests {
         assert!(g.allows(1, at, 8));
         assert!(g.tcp_attempts().is_empty(), "a check alone is no landing");
         let conn = Arc::new(loopback_pair().0);
-        assert!(g.begin_landing(1, at, 8, &conn));
-        assert!(!g.begin_landing(2, at, 8, &conn), "outside its pages");
+        assert_eq!(g.begin_landing(1, at, 8, &conn), Landing::Granted);
+        assert_eq!(
+            g.begin_landing(2, at, 8, &conn),
+            Landing::OutsideGrant,
+            "outside its pages"
+        );
+        assert_eq!(g.begin_landing(3, at, 8, &conn), Landing::NoGrant);
         assert_eq!(g.tcp_attempts(), vec![1]);
         g.end_landing(1, &conn);
         assert_eq!(g.revoke(1), Revocation::Proven);

@@ -10,14 +10,14 @@
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use duet_gpu::PoolMemory;
 
 use crate::backend::{TransportError, rand_key};
-use crate::grants::Grants;
+use crate::grants::{Grants, Landing};
 use crate::ledger::AttemptKey;
 use crate::tcp::{self, Sink, TcpError};
 
@@ -49,6 +49,16 @@ pub enum FrameEvent {
         /// Whether all of them landed.
         ok: bool,
     },
+    /// A frame of an attempt that holds no grant (revoked before the sender heard): read
+    /// and dropped, nothing of it lands.
+    Dropped {
+        /// Its attempt.
+        attempt: AttemptKey,
+        /// Where in the pool it was meant for.
+        offset: u64,
+        /// Its bytes.
+        len: u32,
+    },
 }
 
 /// Told every [`FrameEvent`] of a receiver.
@@ -73,12 +83,30 @@ impl Sink for PoolSink {
         if !in_bounds {
             return Err(TcpError::OutOfBounds { offset, len, size });
         }
-        if !self.grants.begin_landing(attempt, offset, len, &self.conn) {
-            return Err(TcpError::NotGranted {
-                attempt,
-                offset,
-                len,
-            });
+        match self.grants.begin_landing(attempt, offset, len, &self.conn) {
+            Landing::Granted => {}
+            Landing::NoGrant => {
+                // Decode revoked it while the sender, not told yet, kept writing: a race, not
+                // an attack (the sender knew the secret). The frame is dropped and the
+                // connection kept, so the live attempts behind it still land.
+                (self.on_frame)(FrameEvent::Dropped {
+                    attempt,
+                    offset,
+                    len,
+                });
+                return Err(TcpError::NoGrant {
+                    attempt,
+                    offset,
+                    len,
+                });
+            }
+            Landing::OutsideGrant => {
+                return Err(TcpError::NotGranted {
+                    attempt,
+                    offset,
+                    len,
+                });
+            }
         }
         // SAFETY: the range lies in pages granted to an active (or draining) attempt, and it
         // is registered as landing: decode revokes the grant before it reads, reuses or frees
@@ -111,8 +139,14 @@ impl Sink for PoolSink {
 }
 
 /// One accepted connection: a handle to shut its socket down, and the thread reading it.
+///
+/// The handle is weak: a connection that ended (an error, the sender closed) is closed with
+/// its thread, not kept open until the next accept prunes it. A connection ended with bytes
+/// unread is then reset, so a sender blocked on a full window fails at once instead of
+/// waiting out its stall (it would hold up its lane, and every transfer to this node behind
+/// it, for that long).
 struct Conn {
-    socket: Arc<TcpStream>,
+    socket: Weak<TcpStream>,
     thread: JoinHandle<()>,
 }
 
@@ -216,7 +250,9 @@ impl TcpReceiver {
         let mut conns = lock_conns(&self.conns);
         conns.stopped = true;
         for c in &conns.open {
-            let _ = c.socket.shutdown(std::net::Shutdown::Both);
+            if let Some(socket) = c.socket.upgrade() {
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 
@@ -270,10 +306,12 @@ fn serve(
             if let Err(e) = tcp::receive(stream, secret, &mut sink) {
                 tracing::warn!(error = %e, "kv connection closed");
             }
-            // The registry holds a duplicate of the socket: close the connection itself, or
-            // the sender would wait on it (a fence) until the receiver stops.
-            let _ = sink.conn.shutdown(std::net::Shutdown::Both);
+            // The socket closes as the thread ends: its sink holds the last handle (a revoke
+            // holds one only while a frame lands). A shutdown first would send a FIN; a close
+            // with bytes left unread sends the reset a blocked sender needs.
+            drop(sink);
         });
+    let socket = Arc::downgrade(&socket);
     match spawned {
         Ok(thread) => conns.open.push(Conn { socket, thread }),
         Err(e) => tracing::error!(error = %e, "cannot serve a kv connection"),
@@ -303,6 +341,70 @@ pub(crate) mod tests {
             assert!(std::time::Instant::now() < deadline, "timed out: {what}");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn a_revoked_attempts_frames_are_dropped_and_the_live_ones_behind_them_land() {
+        let (l, dst, grants, rx) = receiving(7, &[1]);
+        grants.grant(9, &l, &[2]);
+        assert_eq!(grants.revoke(9), crate::claims::Revocation::Proven);
+        let endpoint = Endpoint {
+            host: host_id(),
+            local: None,
+            shm: None,
+            claims: None,
+            tcp: Some(rx.endpoint()),
+        };
+        let mut src = KvPool::new(l, 8).unwrap();
+        src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
+        let mut t = connect(&endpoint, Backend::Tcp).unwrap();
+        // The sender has not heard of the revoke: attempt 9 writes on, then attempt 7.
+        let stale = crate::backend::coalesce([(0, 2)]);
+        t.write(
+            WriteGrant::unslotted(9),
+            &src.memory(),
+            &l,
+            &stale,
+            &mut unwatched,
+        )
+        .unwrap();
+        let live = crate::backend::coalesce([(0, 1)]);
+        t.write(
+            WriteGrant::unslotted(7),
+            &src.memory(),
+            &l,
+            &live,
+            &mut unwatched,
+        )
+        .unwrap();
+        t.fence(7)
+            .expect("the connection carried on past the dropped frames");
+        let landed = |page| dst.copy_bytes(l.run_bytes(page, 1)).unwrap();
+        assert_eq!(landed(1), src.copy_bytes(l.run_bytes(0, 1)).unwrap());
+        assert!(landed(2).iter().all(|b| *b == 0), "a revoked frame landed");
+        assert_eq!(grants.tcp_attempts(), vec![7]);
+    }
+
+    #[test]
+    fn a_connection_ended_with_bytes_unread_is_reset() {
+        // A frame outside its attempt's grant ends the connection with its payload unread. A
+        // sender blocked on a full window would see no reset from a socket that was only shut
+        // down (nothing new reaches it), and would wait out its stall.
+        let (l, _dst, _grants, rx) = receiving(7, &[1]);
+        let (addr, secret) = rx.endpoint();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let mut frame = crate::grants::tests::header(4, secret, 0, 0);
+        let page = l.run_bytes(3, 1);
+        frame.extend(crate::grants::tests::header(1, 7, page.start as u64, 4096));
+        frame.extend(vec![0xAB; 4096]);
+        s.write_all(&frame).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 1];
+        let got = std::io::Read::read(&mut s, &mut b);
+        assert!(
+            matches!(&got, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{got:?}"
+        );
     }
 
     #[test]

@@ -6,8 +6,11 @@
 //! secret (handed out over the authenticated control link), so nothing else can write into a
 //! pool. A fence frame is answered with one byte once every earlier frame has landed, which is
 //! what lets the ledger drop pins after an abort. Where a data frame lands is the [`Sink`]'s
-//! decision, made before a byte is read (the decode side checks the ledger's grants). Anything
-//! out of bounds, ungranted or unknown is a typed error and ends the connection.
+//! decision, made before a byte is read (the decode side checks the ledger's grants). A frame
+//! of an attempt that holds no grant (decode revoked it, and the sender had not heard yet) is
+//! read and dropped, and the connection goes on: the frames of live attempts queued behind it
+//! on the same connection still land. Anything out of bounds, outside a live grant or unknown
+//! is a typed error and ends the connection.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -52,7 +55,18 @@ pub enum TcpError {
     /// The first frame was not a hello with the right secret.
     #[error("the connection did not open with the receiver's secret")]
     BadHello,
-    /// A data frame for bytes its attempt was not granted.
+    /// A data frame of an attempt that holds no grant (revoked, or never granted): its bytes
+    /// are read and dropped, and the connection goes on ([`receive`] never returns it).
+    #[error("attempt {attempt} holds no grant: its {len} bytes at {offset} are dropped")]
+    NoGrant {
+        /// The attempt.
+        attempt: u64,
+        /// Where.
+        offset: u64,
+        /// How much.
+        len: u32,
+    },
+    /// A data frame for bytes outside its attempt's live grant.
     #[error("attempt {attempt} may not write {len} bytes at {offset}")]
     NotGranted {
         /// The attempt.
@@ -205,6 +219,8 @@ pub struct Received {
     pub frames: u64,
     /// Fences answered.
     pub fences: u64,
+    /// Data frames of attempts that held no grant, read and dropped.
+    pub dropped: u64,
 }
 
 /// Where data frames land.
@@ -240,6 +256,18 @@ fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> s
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes of a frame that lands nowhere.
+fn skip(stream: &mut TcpStream, len: u32) -> std::io::Result<()> {
+    let n = std::io::copy(
+        &mut Read::by_ref(stream).take(u64::from(len)),
+        &mut std::io::sink(),
+    )?;
+    if n < u64::from(len) {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
     }
     Ok(())
 }
@@ -281,7 +309,15 @@ pub fn receive(
         }
         match kind {
             DATA => {
-                let read = stream.read_exact(sink.landing(attempt, offset, len)?);
+                let read = match sink.landing(attempt, offset, len) {
+                    Ok(dst) => stream.read_exact(dst),
+                    Err(TcpError::NoGrant { .. }) => {
+                        skip(&mut stream, len)?;
+                        got.dropped += 1;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 sink.landed(attempt, offset, len, read.is_ok());
                 read?;
                 got.bytes += u64::from(len);
@@ -324,7 +360,8 @@ mod tests {
             Received {
                 bytes: 8292,
                 frames: 2,
-                fences: 1
+                fences: 1,
+                dropped: 0,
             }
         );
         assert!(dest[4096..12288].iter().all(|b| *b == 1));

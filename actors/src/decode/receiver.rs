@@ -62,6 +62,16 @@ fn observe_frames(p: &ReceiverParts) -> FrameObserver {
                 }
                 ("land_end", attempt, offset, len)
             }
+            FrameEvent::Dropped {
+                attempt,
+                offset,
+                len,
+            } => {
+                // Nothing of it lands, so the transfer history has nothing to check.
+                metrics::counter!(m::KV_FRAMES_DROPPED).increment(1);
+                tracing::debug!(attempt, offset, len, "dropped a frame of a revoked attempt");
+                return;
+            }
         };
         if history::enabled() {
             let first = offset / page_bytes as u64;
