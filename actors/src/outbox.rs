@@ -73,6 +73,15 @@ impl Outbox {
     }
 }
 
+#[cfg(test)]
+impl Outbox {
+    /// An outbox whose messages a test reads from the receiver.
+    pub(crate) fn channel() -> (Outbox, mpsc::UnboundedReceiver<Outgoing>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Outbox { tx }, rx)
+    }
+}
+
 /// How long a message to a peer whose link is not up is retried.
 pub const RETRY_FOR: Duration = Duration::from_secs(10);
 

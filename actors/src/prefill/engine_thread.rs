@@ -2,6 +2,7 @@
 //! worker), the chunked prefill steps, and the jobs each step hands the KV sender.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -33,6 +34,11 @@ pub(super) struct Flight {
     pub(super) matched: Instant,
     pub(super) first_chunk: Option<Instant>,
     pub(super) aborted: bool,
+    /// Set with `aborted`, and shared with every job of the flight queued on the sender's
+    /// lane: those jobs are skipped there instead of written (decode has revoked or will
+    /// revoke the grant, so each would be dropped on arrival, after waiting its turn behind
+    /// the others). The Drain queued by the abort still fences what was written before.
+    pub(super) cancelled: Arc<AtomicBool>,
     /// The request's span here (child of the router's), and its queue wait until the first
     /// chunk computes.
     pub(super) span: tracing::Span,
@@ -132,6 +138,7 @@ impl PrefillCore {
             room: f.start.notice.room,
             attempt: f.start.notice.attempt,
             grant: f.start.notice.grant(),
+            cancelled: f.cancelled.clone(),
         }
     }
 
@@ -213,6 +220,7 @@ impl PrefillCore {
                         matched: self.now,
                         first_chunk: None,
                         aborted: false,
+                        cancelled: Arc::default(),
                         span,
                         queue_wait,
                     },
@@ -296,6 +304,7 @@ impl PrefillCore {
             return;
         }
         f.aborted = true;
+        f.cancelled.store(true, Ordering::SeqCst);
         let key = f.key;
         let to = Self::target(f);
         let _ = self.runner.abort(seq);

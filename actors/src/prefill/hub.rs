@@ -11,7 +11,7 @@ use std::time::Duration;
 use duet_gpu::PoolMemory;
 
 use super::Cmd;
-use super::sender::{Job, KvSender, Target};
+use super::sender::{Job, KvSender};
 use crate::handoff::HandOff;
 use crate::outbox::Outbox;
 
@@ -58,18 +58,6 @@ pub(super) struct Lane {
     jobs: Option<std_mpsc::Sender<Job>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
     handle: std::thread::JoinHandle<()>,
-}
-
-impl Job {
-    /// Where the job writes.
-    fn target(&self) -> &Target {
-        match self {
-            Job::Write { to, .. }
-            | Job::Layer { to, .. }
-            | Job::Finish { to, .. }
-            | Job::Drain { to, .. } => to,
-        }
-    }
 }
 
 impl HubInner {

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,32 @@ pub(super) enum Job {
     },
 }
 
+impl Job {
+    /// Where the job writes.
+    pub(super) fn target(&self) -> &Target {
+        match self {
+            Job::Write { to, .. }
+            | Job::Layer { to, .. }
+            | Job::Finish { to, .. }
+            | Job::Drain { to, .. } => to,
+        }
+    }
+
+    /// What the job is, for logs.
+    fn name(&self) -> &'static str {
+        match self {
+            Job::Write { .. } => "write",
+            Job::Layer { .. } => "layer",
+            Job::Finish { .. } => "finish",
+            Job::Drain { .. } => "drain",
+        }
+    }
+}
+
+/// A job that holds its lane this long is logged: every later transfer to that decode node
+/// waited behind it.
+const SLOW_JOB: Duration = Duration::from_secs(1);
+
 #[derive(Clone)]
 pub(super) struct Target {
     /// The request's prefill span (parent of the write spans).
@@ -69,6 +96,19 @@ pub(super) struct Target {
     pub(super) attempt: u64,
     /// What every write of the attempt carries (decode revokes it to stop them).
     pub(super) grant: WriteGrant,
+    /// Set once the engine thread aborted the attempt: its writes and its Finish are skipped
+    /// (its Drain is not).
+    pub(super) cancelled: Arc<AtomicBool>,
+}
+
+impl Target {
+    /// Whether the attempt's writes and Finish are skipped: it failed here, or was aborted.
+    fn skipped(&self, progress: &HashMap<u64, Progress>) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+            || progress
+                .get(&self.attempt)
+                .is_some_and(|p| p.error.is_some())
+    }
 }
 
 /// Which decode pool a transport writes, and how: its node, worker incarnation, backend, and
@@ -158,151 +198,166 @@ impl KvSender {
             if self.stop.load(std::sync::atomic::Ordering::SeqCst) {
                 return;
             }
-            match job {
-                Job::Write {
-                    seq,
-                    to,
-                    runs,
-                    pages_so_far,
-                } => {
-                    if self.progress_of(to.attempt).error.is_some() {
-                        continue;
+            let (what, attempt, t0) = (job.name(), job.target().attempt, Instant::now());
+            self.run_job(job);
+            let took = t0.elapsed();
+            if took >= SLOW_JOB {
+                tracing::warn!(
+                    job = what,
+                    attempt,
+                    ?took,
+                    "a KV sender job blocked its lane"
+                );
+            }
+        }
+    }
+
+    fn run_job(&mut self, job: Job) {
+        match job {
+            Job::Write {
+                seq,
+                to,
+                runs,
+                pages_so_far,
+            } => {
+                if to.skipped(&self.progress) {
+                    return;
+                }
+                let span = tracing::info_span!(
+                    parent: &to.span,
+                    "kv_write",
+                    backend = to.backend.name(),
+                    pages = runs.iter().map(|r| r.n as usize).sum::<usize>(),
+                    bytes = tracing::field::Empty,
+                );
+                let t = Instant::now();
+                match self.write(&to, &runs, None) {
+                    Ok(n) => {
+                        span.record("bytes", n);
+                        if let Err(error) = self.after_write(&to, &runs) {
+                            self.failed(seq, to.attempt, error);
+                            return;
+                        }
+                        let bytes = self.account(&to, n, t);
+                        self.chunk_written(&to, pages_so_far, bytes);
                     }
+                    Err(error) => self.failed(seq, to.attempt, error),
+                }
+            }
+            Job::Layer {
+                seq,
+                to,
+                runs,
+                layer,
+                pages_so_far,
+            } => {
+                if to.skipped(&self.progress) {
+                    return;
+                }
+                if layer == 0 {
                     let span = tracing::info_span!(
                         parent: &to.span,
                         "kv_write",
                         backend = to.backend.name(),
                         pages = runs.iter().map(|r| r.n as usize).sum::<usize>(),
+                        layer_by_layer = true,
                         bytes = tracing::field::Empty,
                     );
-                    let t = Instant::now();
-                    match self.write(&to, &runs, None) {
-                        Ok(n) => {
-                            span.record("bytes", n);
+                    self.layer_spans.insert(to.attempt, (span, 0));
+                }
+                let t = Instant::now();
+                match self.write(&to, &runs, Some(layer)) {
+                    Ok(n) => {
+                        let bytes = self.account(&to, n, t);
+                        if let Some((_, b)) = self.layer_spans.get_mut(&to.attempt) {
+                            *b += n;
+                        }
+                        if layer + 1 == self.layout.n_layers {
+                            if let Some((span, b)) = self.layer_spans.remove(&to.attempt) {
+                                span.record("bytes", b);
+                            }
                             if let Err(error) = self.after_write(&to, &runs) {
                                 self.failed(seq, to.attempt, error);
-                                continue;
+                                return;
                             }
-                            let bytes = self.account(&to, n, t);
                             self.chunk_written(&to, pages_so_far, bytes);
                         }
-                        Err(error) => self.failed(seq, to.attempt, error),
                     }
+                    Err(error) => self.failed(seq, to.attempt, error),
                 }
-                Job::Layer {
-                    seq,
-                    to,
-                    runs,
-                    layer,
-                    pages_so_far,
-                } => {
-                    if self.progress_of(to.attempt).error.is_some() {
-                        continue;
-                    }
-                    if layer == 0 {
-                        let span = tracing::info_span!(
-                            parent: &to.span,
-                            "kv_write",
-                            backend = to.backend.name(),
-                            pages = runs.iter().map(|r| r.n as usize).sum::<usize>(),
-                            layer_by_layer = true,
-                            bytes = tracing::field::Empty,
-                        );
-                        self.layer_spans.insert(to.attempt, (span, 0));
-                    }
-                    let t = Instant::now();
-                    match self.write(&to, &runs, Some(layer)) {
-                        Ok(n) => {
-                            let bytes = self.account(&to, n, t);
-                            if let Some((_, b)) = self.layer_spans.get_mut(&to.attempt) {
-                                *b += n;
-                            }
-                            if layer + 1 == self.layout.n_layers {
-                                if let Some((span, b)) = self.layer_spans.remove(&to.attempt) {
-                                    span.record("bytes", b);
-                                }
-                                if let Err(error) = self.after_write(&to, &runs) {
-                                    self.failed(seq, to.attempt, error);
-                                    continue;
-                                }
-                                self.chunk_written(&to, pages_so_far, bytes);
-                            }
-                        }
-                        Err(error) => self.failed(seq, to.attempt, error),
-                    }
+            }
+            Job::Finish {
+                seq,
+                to,
+                mut done,
+                compute_end,
+            } => {
+                if to.skipped(&self.progress) {
+                    return; // the engine aborts it and a Drain follows
                 }
-                Job::Finish {
-                    seq,
-                    to,
-                    mut done,
-                    compute_end,
-                } => {
-                    if self.progress_of(to.attempt).error.is_some() {
-                        continue; // the engine aborts it and a Drain follows
-                    }
-                    let fence_span = tracing::info_span!(parent: &to.span, "fence");
-                    let fence_start = Instant::now();
-                    if let Err(error) = fence_span.in_scope(|| self.fence(&to)) {
-                        self.failed(seq, to.attempt, error);
-                        continue;
-                    }
-                    let exposed = compute_end.elapsed().as_secs_f64();
-                    let mut p = self.progress.remove(&to.attempt).unwrap_or_default();
-                    p.secs += fence_start.elapsed().as_secs_f64();
-                    metrics::histogram!(m::TRANSFER_EXPOSED).record(exposed);
-                    metrics::histogram!(m::TRANSFER_WRITE).record(p.secs);
-                    if p.secs > 0.0 {
-                        metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
-                    }
-                    done.bytes = p.bytes;
-                    done.checksums = p.checksums;
-                    drop(fence_span);
-                    tracing::debug!(
-                        parent: &to.span,
-                        bytes = p.bytes,
-                        exposed_ms = exposed * 1e3,
-                        "transfer done"
-                    );
-                    self.outbox
-                        .send(&to.node, WORKER_SERVICE, kinds::DONE, &done);
-                    let _ = self.done.send(Cmd::Sent { seq });
+                let fence_span = tracing::info_span!(parent: &to.span, "fence");
+                let fence_start = Instant::now();
+                if let Err(error) = fence_span.in_scope(|| self.fence(&to)) {
+                    self.failed(seq, to.attempt, error);
+                    return;
                 }
-                Job::Drain { seq, to, failed } => {
-                    let _drain = tracing::info_span!(parent: &to.span, "drain").entered();
-                    self.layer_spans.remove(&to.attempt);
-                    let broken = self.progress_of(to.attempt).error.is_some();
-                    // A broken connection was dropped: nothing of it can land any more. Else
-                    // the fence proves every earlier write landed.
-                    let fenced = broken || self.fence(&to).is_ok();
-                    if !fenced {
-                        self.drop_link(&to);
-                    }
-                    self.progress.remove(&to.attempt);
-                    match failed {
-                        Some(error) => self.outbox.send(
-                            &to.node,
-                            WORKER_SERVICE,
-                            kinds::FAILED,
-                            &TransferFailed::new(to.room, Some(to.attempt), &error),
-                        ),
-                        None => self.outbox.send(
-                            &to.node,
-                            WORKER_SERVICE,
-                            kinds::ABORT_ACK,
-                            &AbortAck {
-                                room: to.room,
-                                attempt: to.attempt,
-                            },
-                        ),
-                    };
-                    let _ = self.done.send(Cmd::Drained { seq });
+                let exposed = compute_end.elapsed().as_secs_f64();
+                let mut p = self.progress.remove(&to.attempt).unwrap_or_default();
+                p.secs += fence_start.elapsed().as_secs_f64();
+                metrics::histogram!(m::TRANSFER_EXPOSED).record(exposed);
+                metrics::histogram!(m::TRANSFER_WRITE).record(p.secs);
+                if p.secs > 0.0 {
+                    metrics::histogram!(m::TRANSFER_GBPS).record(p.bytes as f64 / p.secs / 1e9);
                 }
+                done.bytes = p.bytes;
+                done.checksums = p.checksums;
+                drop(fence_span);
+                tracing::debug!(
+                    parent: &to.span,
+                    bytes = p.bytes,
+                    exposed_ms = exposed * 1e3,
+                    "transfer done"
+                );
+                self.outbox
+                    .send(&to.node, WORKER_SERVICE, kinds::DONE, &done);
+                let _ = self.done.send(Cmd::Sent { seq });
+            }
+            Job::Drain { seq, to, failed } => {
+                let _drain = tracing::info_span!(parent: &to.span, "drain").entered();
+                self.layer_spans.remove(&to.attempt);
+                let broken = self.progress_of(to.attempt).error.is_some();
+                // A broken connection was dropped: nothing of it can land any more. Else
+                // the fence proves every earlier write landed.
+                let fenced = broken || self.fence(&to).is_ok();
+                if !fenced {
+                    self.drop_link(&to);
+                }
+                self.progress.remove(&to.attempt);
+                match failed {
+                    Some(error) => self.outbox.send(
+                        &to.node,
+                        WORKER_SERVICE,
+                        kinds::FAILED,
+                        &TransferFailed::new(to.room, Some(to.attempt), &error),
+                    ),
+                    None => self.outbox.send(
+                        &to.node,
+                        WORKER_SERVICE,
+                        kinds::ABORT_ACK,
+                        &AbortAck {
+                            room: to.room,
+                            attempt: to.attempt,
+                        },
+                    ),
+                };
+                let _ = self.done.send(Cmd::Drained { seq });
             }
         }
     }
 
     /// Marks an attempt failed (its later jobs are skipped) and tells the engine thread.
     pub(super) fn failed(&mut self, seq: u64, attempt: u64, error: String) {
+        tracing::warn!(attempt, %error, "a KV transfer failed on prefill's side");
         self.progress_of(attempt).error = Some(error.clone());
         let _ = self.done.send(Cmd::SendFailed { seq, error });
     }
@@ -488,5 +543,116 @@ pub(super) fn record_write(id: u64, event: &str, to: &Target, pages: &[PageId]) 
                     .flatten(),
             }),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use duet_gpu::{KvDtype, KvLayout, KvPool};
+    use duet_transport::{FrameEvent, Grants, TcpReceiver, coalesce};
+
+    use super::*;
+    use crate::outbox::Outgoing;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            n_layers: 2,
+            n_kv_heads: 1,
+            head_dim: 8,
+            page_size: 4,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    #[test]
+    fn a_lane_skips_a_cancelled_attempts_writes_and_lands_the_live_ones_behind_them() {
+        let l = layout();
+        // Decode's end: a real TCP receiver; both attempts hold grants, so whatever the lane
+        // writes lands, and only the lane's skipping keeps page 2 clean.
+        let dst = KvPool::new(l, 8).unwrap();
+        let grants = Grants::default();
+        grants.grant(7, &l, &[1]);
+        grants.grant(9, &l, &[2]);
+        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let seen = dropped.clone();
+        let rx = TcpReceiver::start(
+            "127.0.0.1:0".parse().unwrap(),
+            dst.memory(),
+            grants,
+            Arc::new(move |e| {
+                if matches!(e, FrameEvent::Dropped { .. }) {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            }),
+        )
+        .unwrap();
+        let mut src = KvPool::new(l, 8).unwrap();
+        src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
+        let (outbox, mut sent) = Outbox::channel();
+        let (done, _done_rx) = std_mpsc::channel();
+        let mut sender = KvSender {
+            memory: src.memory(),
+            layout: l,
+            outbox,
+            done,
+            stop: Arc::default(),
+            links: HashMap::new(),
+            progress: HashMap::new(),
+            layer_spans: HashMap::new(),
+            checksum: false,
+            corrupt: 0,
+            fail_rate: 0.0,
+            id: 1,
+            stall_once: None,
+            stall_mid_write: None,
+        };
+        let target = |attempt: u64, cancelled: bool| Target {
+            span: tracing::Span::none(),
+            node: "d0".into(),
+            incarnation: 1,
+            endpoint: duet_transport::Endpoint {
+                host: "test".into(),
+                local: None,
+                shm: None,
+                claims: None,
+                tcp: Some(rx.endpoint()),
+            },
+            backend: Backend::Tcp,
+            room: attempt,
+            attempt,
+            grant: WriteGrant::unslotted(attempt),
+            cancelled: Arc::new(AtomicBool::new(cancelled)),
+        };
+        let (jobs, queue) = std_mpsc::channel();
+        // Queued before the abort reached the engine thread; aborted before the lane got there.
+        jobs.send(Job::Write {
+            seq: 1,
+            to: target(9, true),
+            runs: coalesce([(0, 2)]),
+            pages_so_far: 1,
+        })
+        .unwrap();
+        jobs.send(Job::Write {
+            seq: 2,
+            to: target(7, false),
+            runs: coalesce([(0, 1)]),
+            pages_so_far: 1,
+        })
+        .unwrap();
+        drop(jobs);
+        sender.run_jobs(queue);
+        // The live attempt's write is fenced, so everything the lane sent has landed.
+        let live = target(7, false);
+        sender.fence(&live).unwrap();
+        let page = |p: PageId| dst.copy_bytes(l.run_bytes(p, 1)).unwrap();
+        assert_eq!(page(1), src.copy_bytes(l.run_bytes(0, 1)).unwrap());
+        assert!(
+            page(2).iter().all(|b| *b == 0),
+            "the cancelled write landed"
+        );
+        assert_eq!(dropped.load(Ordering::SeqCst), 0, "it was sent at all");
+        let chunks: Vec<Outgoing> = std::iter::from_fn(|| sent.try_recv().ok()).collect();
+        assert_eq!(chunks.len(), 1, "only the live attempt reports a chunk");
+        assert_eq!(chunks[0].kind, kinds::CHUNK);
     }
 }
