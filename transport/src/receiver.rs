@@ -343,11 +343,8 @@ pub(crate) mod tests {
         }
     }
 
-    #[test]
-    fn a_revoked_attempts_frames_are_dropped_and_the_live_ones_behind_them_land() {
-        let (l, dst, grants, rx) = receiving(7, &[1]);
-        grants.grant(9, &l, &[2]);
-        assert_eq!(grants.revoke(9), crate::claims::Revocation::Proven);
+    /// A source pool with one token in page 0, and a TCP transport into `rx`.
+    fn writer(rx: &TcpReceiver) -> (KvPool, Box<dyn crate::backend::KvTransport>) {
         let endpoint = Endpoint {
             host: host_id(),
             local: None,
@@ -355,9 +352,17 @@ pub(crate) mod tests {
             claims: None,
             tcp: Some(rx.endpoint()),
         };
-        let mut src = KvPool::new(l, 8).unwrap();
+        let mut src = KvPool::new(crate::backend::tests::layout(), 8).unwrap();
         src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
-        let mut t = connect(&endpoint, Backend::Tcp).unwrap();
+        (src, connect(&endpoint, Backend::Tcp).unwrap())
+    }
+
+    #[test]
+    fn a_revoked_attempts_frames_are_dropped_and_the_live_ones_behind_them_land() {
+        let (l, dst, grants, rx) = receiving(7, &[1]);
+        grants.grant(9, &l, &[2]);
+        assert_eq!(grants.revoke(9), crate::claims::Revocation::Proven);
+        let (src, mut t) = writer(&rx);
         // The sender has not heard of the revoke: attempt 9 writes on, then attempt 7.
         let stale = crate::backend::coalesce([(0, 2)]);
         t.write(
@@ -410,18 +415,9 @@ pub(crate) mod tests {
     #[test]
     fn a_stopped_receiver_lands_nothing_more_and_closes_its_connections() {
         let (l, _dst, grants, rx) = receiving(7, &[1]);
-        let endpoint = Endpoint {
-            host: host_id(),
-            local: None,
-            shm: None,
-            claims: None,
-            tcp: Some(rx.endpoint()),
-        };
-        let mut src = KvPool::new(l, 8).unwrap();
-        src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
+        let (src, mut t) = writer(&rx);
         let runs = crate::backend::coalesce([(0, 1)]);
         let grant = WriteGrant::unslotted(7);
-        let mut t = connect(&endpoint, Backend::Tcp).unwrap();
         t.write(grant, &src.memory(), &l, &runs, &mut unwatched)
             .unwrap();
         t.fence(7).unwrap();

@@ -624,21 +624,15 @@ mod tests {
             cancelled: Arc::new(AtomicBool::new(cancelled)),
         };
         let (jobs, queue) = std_mpsc::channel();
+        let write = |attempt, cancelled, (src, dst)| Job::Write {
+            seq: attempt,
+            to: target(attempt, cancelled),
+            runs: coalesce([(src, dst)]),
+            pages_so_far: 1,
+        };
         // Queued before the abort reached the engine thread; aborted before the lane got there.
-        jobs.send(Job::Write {
-            seq: 1,
-            to: target(9, true),
-            runs: coalesce([(0, 2)]),
-            pages_so_far: 1,
-        })
-        .unwrap();
-        jobs.send(Job::Write {
-            seq: 2,
-            to: target(7, false),
-            runs: coalesce([(0, 1)]),
-            pages_so_far: 1,
-        })
-        .unwrap();
+        jobs.send(write(9, true, (0, 2))).unwrap();
+        jobs.send(write(7, false, (0, 1))).unwrap();
         drop(jobs);
         sender.run_jobs(queue);
         // The live attempt's write is fenced, so everything the lane sent has landed.
