@@ -1,13 +1,18 @@
 //! Sending one-way messages to peers from engine and sender threads.
 //!
 //! Engine threads never touch the async runtime: they push [`Outgoing`] messages into an
-//! unbounded channel, and one task per worker sends them over the links in order. Order per
-//! peer is what the protocol relies on (a chunk notice before the done that follows it).
+//! unbounded channel, and the worker's outbox task hands each to its peer's queue, where one
+//! task per peer sends them over the link in order. Order per peer is what the protocol relies
+//! on (a chunk notice before the done that follows it); across peers nothing is ordered.
 //!
 //! A link that is (re)connecting refuses a send; a lost `TransferDone` would strand a request
 //! until its deadline, so a refused send is retried for [`RETRY_FOR`] before it is given up
-//! (and the peer's deadlines take over).
+//! (and the peer's deadlines take over). That wait is why each peer has its own queue: with
+//! one queue for all, each message to a node that had gone away held every later message,
+//! to healthy nodes too, for up to 10 s, long enough for their transfers to miss their
+//! no-progress deadline.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use duet_runtime::context::NodeContext;
@@ -127,17 +132,92 @@ pub async fn send_reliably(
     }
 }
 
-/// Starts the task that delivers an outbox's messages, sent as `from` service.
+/// Starts the task that delivers an outbox's messages, sent as `from` service. Aborting it
+/// stops every peer's delivery.
 pub fn start(ctx: Arc<NodeContext>, from: &'static str) -> (Outbox, JoinHandle<()>) {
-    let (tx, mut rx) = mpsc::unbounded_channel::<Outgoing>();
-    let task = tokio::spawn(async move {
-        while let Some(m) = rx.recv().await {
+    let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
+    let task = tokio::spawn(deliver_by_peer(rx, move |m: Outgoing| {
+        let ctx = ctx.clone();
+        async move {
             let sent = send_reliably(&ctx, from, &m.node, m.service, m.kind, m.body).await;
             if let Err(error) = sent {
                 // The peer's own deadlines fail what this message was about.
                 tracing::warn!(node = %m.node, kind = m.kind, %error, "cannot deliver");
             }
         }
-    });
+    }));
     (Outbox { tx }, task)
+}
+
+/// Delivers each message of `rx` with `deliver`, in order per peer node, one peer's
+/// deliveries never waiting for another's. Returns once `rx` is closed and every queue is
+/// delivered; dropped (aborted), it stops every peer's task with it.
+async fn deliver_by_peer<F, Fut>(mut rx: mpsc::UnboundedReceiver<Outgoing>, deliver: F)
+where
+    F: Fn(Outgoing) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut peers: HashMap<String, mpsc::UnboundedSender<Outgoing>> = HashMap::new();
+    let mut deliveries = tokio::task::JoinSet::new();
+    while let Some(m) = rx.recv().await {
+        let queue = peers.entry(m.node.clone()).or_insert_with(|| {
+            let (tx, mut queue) = mpsc::unbounded_channel::<Outgoing>();
+            let deliver = deliver.clone();
+            deliveries.spawn(async move {
+                while let Some(m) = queue.recv().await {
+                    deliver(m).await;
+                }
+            });
+            tx
+        });
+        let _ = queue.send(m);
+    }
+    drop(peers);
+    while deliveries.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The next delivery, within a deadline (one that never comes fails the test).
+    async fn next(seen: &mut mpsc::UnboundedReceiver<(String, String)>) -> (String, String) {
+        tokio::time::timeout(Duration::from_secs(30), seen.recv())
+            .await
+            .expect("a message delivered")
+            .expect("the outbox runs")
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_cannot_be_reached_holds_up_only_its_own_messages() {
+        let (outbox, rx) = Outbox::channel();
+        let (delivered, mut seen) = mpsc::unbounded_channel::<(String, String)>();
+        let gone = Arc::new(tokio::sync::Notify::new());
+        let link_back = gone.clone();
+        let task = tokio::spawn(deliver_by_peer(rx, move |m: Outgoing| {
+            let (delivered, link_back) = (delivered.clone(), link_back.clone());
+            async move {
+                if m.node == "d1" {
+                    // Retrying for as long as its link stays down.
+                    link_back.notified().await;
+                }
+                let _ = delivered.send((m.node, m.kind.to_string()));
+            }
+        }));
+        outbox.send("d1", "worker", "done", &1u32);
+        outbox.send("d0", "worker", "chunk", &2u32);
+        outbox.send("d0", "worker", "done", &3u32);
+        outbox.send("d1", "worker", "abort_ack", &4u32);
+        assert_eq!(next(&mut seen).await, ("d0".into(), "chunk".into()));
+        assert_eq!(next(&mut seen).await, ("d0".into(), "done".into()));
+        gone.notify_one();
+        assert_eq!(next(&mut seen).await, ("d1".into(), "done".into()));
+        gone.notify_one();
+        assert_eq!(next(&mut seen).await, ("d1".into(), "abort_ack".into()));
+        drop(outbox);
+        task.await
+            .expect("the outbox ends once its senders are gone");
+    }
 }
