@@ -49,6 +49,19 @@ struct Grant {
     by_tcp: bool,
 }
 
+impl Grant {
+    /// Whether the grant covers `len` bytes at `offset`.
+    fn covers(&self, offset: u64, len: u32) -> bool {
+        let Ok(start) = usize::try_from(offset) else {
+            return false;
+        };
+        let Some(end) = start.checked_add(len as usize) else {
+            return false;
+        };
+        self.ranges.iter().any(|r| r.start <= start && end <= r.end)
+    }
+}
+
 #[derive(Debug, Default)]
 struct GrantTable {
     grants: HashMap<AttemptKey, Grant>,
@@ -185,7 +198,10 @@ impl Grants {
 
     /// Whether `attempt` may write `len` bytes at `offset`.
     pub fn allows(&self, attempt: AttemptKey, offset: u64, len: u32) -> bool {
-        Self::covers(&self.lock(), attempt, offset, len)
+        self.lock()
+            .grants
+            .get(&attempt)
+            .is_some_and(|g| g.covers(offset, len))
     }
 
     /// The granted attempts that have landed bytes by TCP.
@@ -201,19 +217,6 @@ impl Grants {
         keys
     }
 
-    fn covers(table: &GrantTable, attempt: AttemptKey, offset: u64, len: u32) -> bool {
-        let Ok(start) = usize::try_from(offset) else {
-            return false;
-        };
-        let Some(end) = start.checked_add(len as usize) else {
-            return false;
-        };
-        table
-            .grants
-            .get(&attempt)
-            .is_some_and(|g| g.ranges.iter().any(|r| r.start <= start && end <= r.end))
-    }
-
     /// Whether a frame on `conn` may be read into the pool: [`Landing::Granted`] (and
     /// registered as landing until [`end_landing`](Self::end_landing)) when the attempt's
     /// grant covers it.
@@ -225,15 +228,13 @@ impl Grants {
         conn: &Arc<TcpStream>,
     ) -> Landing {
         let mut table = self.lock();
-        if !table.grants.contains_key(&attempt) {
+        let Some(g) = table.grants.get_mut(&attempt) else {
             return Landing::NoGrant;
-        }
-        if !Self::covers(&table, attempt, offset, len) {
+        };
+        if !g.covers(offset, len) {
             return Landing::OutsideGrant;
         }
-        if let Some(g) = table.grants.get_mut(&attempt) {
-            g.by_tcp = true;
-        }
+        g.by_tcp = true;
         table.landing.entry(attempt).or_default().push(conn.clone());
         Landing::Granted
     }

@@ -364,24 +364,12 @@ pub(crate) mod tests {
         assert_eq!(grants.revoke(9), crate::claims::Revocation::Proven);
         let (src, mut t) = writer(&rx);
         // The sender has not heard of the revoke: attempt 9 writes on, then attempt 7.
-        let stale = crate::backend::coalesce([(0, 2)]);
-        t.write(
-            WriteGrant::unslotted(9),
-            &src.memory(),
-            &l,
-            &stale,
-            &mut unwatched,
-        )
-        .unwrap();
-        let live = crate::backend::coalesce([(0, 1)]);
-        t.write(
-            WriteGrant::unslotted(7),
-            &src.memory(),
-            &l,
-            &live,
-            &mut unwatched,
-        )
-        .unwrap();
+        for (attempt, dst_page) in [(9, 2), (7, 1)] {
+            let runs = crate::backend::coalesce([(0, dst_page)]);
+            let grant = WriteGrant::unslotted(attempt);
+            t.write(grant, &src.memory(), &l, &runs, &mut unwatched)
+                .unwrap();
+        }
         t.fence(7)
             .expect("the connection carried on past the dropped frames");
         let landed = |page| dst.copy_bytes(l.run_bytes(page, 1)).unwrap();

@@ -33,16 +33,22 @@ pub(super) struct Flight {
     pub(super) skip: usize,
     pub(super) matched: Instant,
     pub(super) first_chunk: Option<Instant>,
-    pub(super) aborted: bool,
-    /// Set with `aborted`, and shared with every job of the flight queued on the sender's
-    /// lane: those jobs are skipped there instead of written (decode has revoked or will
-    /// revoke the grant, so each would be dropped on arrival, after waiting its turn behind
-    /// the others). The Drain queued by the abort still fences what was written before.
-    pub(super) cancelled: Arc<AtomicBool>,
+    /// Set once the flight is aborted, and shared with every job of it queued on the
+    /// sender's lane: those jobs are skipped there instead of written (decode has revoked or
+    /// will revoke the grant, so each would be dropped on arrival, after waiting its turn
+    /// behind the others). The Drain queued by the abort still fences what was written before.
+    pub(super) aborted: Arc<AtomicBool>,
     /// The request's span here (child of the router's), and its queue wait until the first
     /// chunk computes.
     pub(super) span: tracing::Span,
     pub(super) queue_wait: Option<tracing::Span>,
+}
+
+impl Flight {
+    /// Whether the flight was aborted (its Drain is queued or done).
+    pub(super) fn aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
 }
 
 pub(super) struct PrefillCore {
@@ -138,7 +144,7 @@ impl PrefillCore {
             room: f.start.notice.room,
             attempt: f.start.notice.attempt,
             grant: f.start.notice.grant(),
-            cancelled: f.cancelled.clone(),
+            aborted: f.aborted.clone(),
         }
     }
 
@@ -219,8 +225,7 @@ impl PrefillCore {
                         skip,
                         matched: self.now,
                         first_chunk: None,
-                        aborted: false,
-                        cancelled: Arc::default(),
+                        aborted: Arc::default(),
                         span,
                         queue_wait,
                     },
@@ -250,7 +255,7 @@ impl PrefillCore {
             // Aborted after its Finish was queued: the Drain behind it releases the pins (a
             // completion here would be refused by the ledger, and the flight forgotten with
             // its pages pinned for good).
-            Cmd::Sent { seq } if self.flights.get(&seq).is_some_and(|f| f.aborted) => {}
+            Cmd::Sent { seq } if self.flights.get(&seq).is_some_and(Flight::aborted) => {}
             Cmd::Sent { seq } => {
                 if let Some(f) = self.flights.remove(&seq) {
                     self.rooms.remove(&(f.decode.clone(), f.start.notice.room));
@@ -296,15 +301,14 @@ impl PrefillCore {
         let Some(f) = self.flights.get_mut(&seq) else {
             return;
         };
-        if f.aborted {
+        if f.aborted() {
             // Asked again (a drain fence, or the sender restarted and its queue was lost):
             // drain again; a second acknowledgement is ignored by decode.
             let to = Self::target(f);
             let _ = self.jobs.send(self.worker, Job::Drain { seq, to, failed });
             return;
         }
-        f.aborted = true;
-        f.cancelled.store(true, Ordering::SeqCst);
+        f.aborted.store(true, Ordering::SeqCst);
         let key = f.key;
         let to = Self::target(f);
         let _ = self.runner.abort(seq);
@@ -455,7 +459,7 @@ impl PrefillCore {
     ) -> Option<(Target, Vec<PageRun>, usize)> {
         let f = self.flights.get_mut(&seq)?;
         let pages = self.runner.scheduler.pages(seq)?;
-        if f.aborted || upto <= f.next_page || pages.len() < upto {
+        if f.aborted() || upto <= f.next_page || pages.len() < upto {
             return None;
         }
         let src: Vec<PageId> = pages[f.next_page..upto].to_vec();
@@ -499,7 +503,7 @@ impl PrefillCore {
         drop(l);
         let mut h = self.holding.lock().unwrap_or_else(|p| p.into_inner());
         h.by_decode.clear();
-        for f in self.flights.values().filter(|f| !f.aborted) {
+        for f in self.flights.values().filter(|f| !f.aborted()) {
             h.by_decode
                 .entry(f.decode.clone())
                 .or_default()

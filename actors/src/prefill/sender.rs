@@ -96,19 +96,9 @@ pub(super) struct Target {
     pub(super) attempt: u64,
     /// What every write of the attempt carries (decode revokes it to stop them).
     pub(super) grant: WriteGrant,
-    /// Set once the engine thread aborted the attempt: its writes and its Finish are skipped
-    /// (its Drain is not).
-    pub(super) cancelled: Arc<AtomicBool>,
-}
-
-impl Target {
-    /// Whether the attempt's writes and Finish are skipped: it failed here, or was aborted.
-    fn skipped(&self, progress: &HashMap<u64, Progress>) -> bool {
-        self.cancelled.load(Ordering::SeqCst)
-            || progress
-                .get(&self.attempt)
-                .is_some_and(|p| p.error.is_some())
-    }
+    /// The flight's abort flag (set by the engine thread): once set, the attempt's writes
+    /// and its Finish are skipped (its Drain is not).
+    pub(super) aborted: Arc<AtomicBool>,
 }
 
 /// Which decode pool a transport writes, and how: its node, worker incarnation, backend, and
@@ -220,7 +210,7 @@ impl KvSender {
                 runs,
                 pages_so_far,
             } => {
-                if to.skipped(&self.progress) {
+                if self.skipped(&to) {
                     return;
                 }
                 let span = tracing::info_span!(
@@ -251,7 +241,7 @@ impl KvSender {
                 layer,
                 pages_so_far,
             } => {
-                if to.skipped(&self.progress) {
+                if self.skipped(&to) {
                     return;
                 }
                 if layer == 0 {
@@ -292,7 +282,7 @@ impl KvSender {
                 mut done,
                 compute_end,
             } => {
-                if to.skipped(&self.progress) {
+                if self.skipped(&to) {
                     return; // the engine aborts it and a Drain follows
                 }
                 let fence_span = tracing::info_span!(parent: &to.span, "fence");
@@ -353,6 +343,16 @@ impl KvSender {
                 let _ = self.done.send(Cmd::Drained { seq });
             }
         }
+    }
+
+    /// Whether `to`'s writes and Finish are skipped: its attempt failed here, or the engine
+    /// thread aborted it.
+    fn skipped(&self, to: &Target) -> bool {
+        to.aborted.load(Ordering::SeqCst)
+            || self
+                .progress
+                .get(&to.attempt)
+                .is_some_and(|p| p.error.is_some())
     }
 
     /// Marks an attempt failed (its later jobs are skipped) and tells the engine thread.
@@ -547,106 +547,4 @@ pub(super) fn record_write(id: u64, event: &str, to: &Target, pages: &[PageId]) 
 }
 
 #[cfg(test)]
-mod tests {
-    use duet_gpu::{KvDtype, KvLayout, KvPool};
-    use duet_transport::{FrameEvent, Grants, TcpReceiver, coalesce};
-
-    use super::*;
-    use crate::outbox::Outgoing;
-
-    fn layout() -> KvLayout {
-        KvLayout {
-            n_layers: 2,
-            n_kv_heads: 1,
-            head_dim: 8,
-            page_size: 4,
-            dtype: KvDtype::F32,
-        }
-    }
-
-    #[test]
-    fn a_lane_skips_a_cancelled_attempts_writes_and_lands_the_live_ones_behind_them() {
-        let l = layout();
-        // Decode's end: a real TCP receiver; both attempts hold grants, so whatever the lane
-        // writes lands, and only the lane's skipping keeps page 2 clean.
-        let dst = KvPool::new(l, 8).unwrap();
-        let grants = Grants::default();
-        grants.grant(7, &l, &[1]);
-        grants.grant(9, &l, &[2]);
-        let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let seen = dropped.clone();
-        let rx = TcpReceiver::start(
-            "127.0.0.1:0".parse().unwrap(),
-            dst.memory(),
-            grants,
-            Arc::new(move |e| {
-                if matches!(e, FrameEvent::Dropped { .. }) {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                }
-            }),
-        )
-        .unwrap();
-        let mut src = KvPool::new(l, 8).unwrap();
-        src.write_token(0, 0, 0, &[1.0; 8], &[2.0; 8]);
-        let (outbox, mut sent) = Outbox::channel();
-        let (done, _done_rx) = std_mpsc::channel();
-        let mut sender = KvSender {
-            memory: src.memory(),
-            layout: l,
-            outbox,
-            done,
-            stop: Arc::default(),
-            links: HashMap::new(),
-            progress: HashMap::new(),
-            layer_spans: HashMap::new(),
-            checksum: false,
-            corrupt: 0,
-            fail_rate: 0.0,
-            id: 1,
-            stall_once: None,
-            stall_mid_write: None,
-        };
-        let target = |attempt: u64, cancelled: bool| Target {
-            span: tracing::Span::none(),
-            node: "d0".into(),
-            incarnation: 1,
-            endpoint: duet_transport::Endpoint {
-                host: "test".into(),
-                local: None,
-                shm: None,
-                claims: None,
-                tcp: Some(rx.endpoint()),
-            },
-            backend: Backend::Tcp,
-            room: attempt,
-            attempt,
-            grant: WriteGrant::unslotted(attempt),
-            cancelled: Arc::new(AtomicBool::new(cancelled)),
-        };
-        let (jobs, queue) = std_mpsc::channel();
-        let write = |attempt, cancelled, (src, dst)| Job::Write {
-            seq: attempt,
-            to: target(attempt, cancelled),
-            runs: coalesce([(src, dst)]),
-            pages_so_far: 1,
-        };
-        // Queued before the abort reached the engine thread; aborted before the lane got there.
-        jobs.send(write(9, true, (0, 2))).unwrap();
-        jobs.send(write(7, false, (0, 1))).unwrap();
-        drop(jobs);
-        sender.run_jobs(queue);
-        // The live attempt's write is fenced, so everything the lane sent has landed.
-        let live = target(7, false);
-        sender.fence(&live).unwrap();
-        let page = |p: PageId| dst.copy_bytes(l.run_bytes(p, 1)).unwrap();
-        assert_eq!(page(1), src.copy_bytes(l.run_bytes(0, 1)).unwrap());
-        assert!(
-            page(2).iter().all(|b| *b == 0),
-            "the cancelled write landed"
-        );
-        assert_eq!(dropped.load(Ordering::SeqCst), 0, "it was sent at all");
-        let chunks: Vec<Outgoing> = std::iter::from_fn(|| sent.try_recv().ok()).collect();
-        assert_eq!(chunks.len(), 1, "only the live attempt reports a chunk");
-        assert_eq!(chunks[0].kind, kinds::CHUNK);
-    }
-}
+mod tests;
