@@ -416,10 +416,42 @@ mod tests {
         }
     }
 
+    #[test]
+    fn pages_of_sixteen_take_the_eight_position_trees_and_their_tails() {
+        // Pages wider than 8 positions: the AVX2 scores reduce eight positions' trees at
+        // once, then the page's tail one by one; every span length from 1 to 16 occurs.
+        let shape = AttnShape {
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 64,
+        };
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            paged_attention_case_paged(
+                dtype,
+                shape,
+                16 * 3 + 11,
+                16,
+                &[7, 8, 9, 15, 16, 23, 31, 40, 58],
+            );
+        }
+    }
+
     fn paged_attention_case(dtype: KvDtype, shape: AttnShape, len: usize) {
+        paged_attention_case_paged(dtype, shape, len, 4, &[0, 3, 4, 18, len - 1]);
+    }
+
+    /// Attention at each query position of `positions` over a `len`-token sequence in
+    /// scattered pages of `page_size`: every kernel this machine runs gives the portable
+    /// kernel's bits, also split by KV head, and stays close to the naive f64 sum.
+    fn paged_attention_case_paged(
+        dtype: KvDtype,
+        shape: AttnShape,
+        len: usize,
+        page_size: usize,
+        positions: &[usize],
+    ) {
         let (hd, kv) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
         let qd = shape.n_heads * hd;
-        let page_size = 4;
         let layout = KvLayout {
             n_layers: 2,
             n_kv_heads: shape.n_kv_heads,
@@ -442,7 +474,7 @@ mod tests {
             vs.push(v);
         }
         let mut scratch = AttnScratch::default();
-        for pos in [0, 3, 4, 18, len - 1] {
+        for &pos in positions {
             let q = random(qd, 1000 + pos as u64);
             let mut out = vec![0f32; qd];
             attend(
