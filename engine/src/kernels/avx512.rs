@@ -423,10 +423,12 @@ unsafe fn sweep_many<B: Block, const R: usize, const T: usize>(
             }
             // The next tile's rows come from memory while this one computes (its dequantizing
             // loop above otherwise waits for them; a prefetch past the end never faults).
+            // Into L2, as the attention's (`sweep.rs`): batch 32, 3 rounds, 318-323 -> 329-338
+            // tok/s on a Zen 4 core with T0 -> T1.
             let next = base.wrapping_add((first + r + R) * rb);
             let mut b = 0;
             while b < R * rb {
-                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b).cast());
+                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(b).cast());
                 b += 64;
             }
             let mut k = 0;
