@@ -69,7 +69,8 @@ impl<E> Seq<'_, E> {
     /// and the loads of the page being computed queued behind them. `T0` -> `T1`, ns per
     /// position and KV head, 3 rounds: 34.2-36.1 -> 19.4-24.5 at 800 x 4, 34.6-37.8 ->
     /// 21.0-22.2 at 256 x 32 (a Zen 4 core; its AVX2 kernel 38.4-40.7 -> 20.4-21.3 and
-    /// 41.2-42.6 -> 22.4-23.1), in cache (63 x 1) unchanged at 17.7-18.2; a call for one
+    /// 41.2-42.6 -> 22.4-23.1), in cache (63 x 1) 17.7-18.2 -> 17.7-17.8 (one round
+    /// of three 24.0); a call for one
     /// head of several 45.5-46.9 -> 32.8-32.9. A row is then one L2 hit away, which the
     /// page's other loads hide.
     #[inline(always)]
