@@ -1,10 +1,11 @@
 //! AVX-512 tiles of the quantized matrix product.
 //!
 //! A tile is `R` weight rows × `T` tokens. For each block of 32 weights the tile's rows are
-//! dequantized once into registers (`d * q + m` exactly, fused) and multiplied into one
-//! 16-lane accumulator per (row, token): lane `l` takes weights `l` then `16 + l` of each
-//! block, in block order. The horizontal sum is the same fixed tree as [`super::hsum`]. So the
-//! bits of `(row, token)` depend on neither `R`, `T`, nor the other rows and tokens.
+//! dequantized once into registers (`d * q + m` rounded once, as the portable kernel's fused
+//! operation) and multiplied into one 16-lane accumulator per (row, token): lane `l` takes
+//! weights `l` then `16 + l` of each block, in block order. The horizontal sum is the same
+//! fixed tree as [`super::hsum`]. So the bits of `(row, token)` depend on neither `R`, `T`,
+//! nor the other rows and tokens.
 //!
 //! The attention is in `avx512/attend.rs`.
 
@@ -156,17 +157,29 @@ impl Block for Q4_1Wide {
         unsafe {
             let d = _mm512_set1_ps(p.cast::<f32>().read_unaligned());
             let m = _mm512_set1_ps(p.add(4).cast::<f32>().read_unaligned());
-            // The block's 16 possible weights, `d * q + m` fused for q = 0..15 (each weight
-            // depends on its nibble only, so the same bits as computing it per weight), then
-            // one permute per 16 weights picks them: `vpermps` reads an index's low 4 bits,
-            // so the low nibble needs no mask. Five vector operations per block instead of
+            // The block's 16 possible weights `d * q + m` for q = 0..15 (each weight depends
+            // on its nibble only, so the same bits as computing it per weight), then one
+            // permute per 16 weights picks them: `vpermps` reads an index's low 4 bits, so
+            // the low nibble needs no mask. Five vector operations per block instead of
             // seven (mask, shift, two conversions, two fused dequantizations).
-            let table = _mm512_fmadd_ps(
-                _mm512_setr_ps(
-                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
-                    15.0,
+            //
+            // The table is a product then a sum, not one fused multiply-add, with the same
+            // bits: `d` came from an f16 (11 significant bits), so `d * q` (q at most 15) is
+            // exact and the sum rounds once, as the fused operation did. Both take their
+            // broadcast from memory inside the instruction, where the fused one needed a
+            // separate `vbroadcastss`; on Zen 4 that broadcast and the permutes share the one
+            // 512-bit shuffle pipe, and the sum runs on the adder pipes, which were idle.
+            // `throughput --kernels`, one token, 3 rounds interleaved: ffn_up 19.3-21.2 ->
+            // 22.4-23.4 GMAC/s, ffn_down 20.9-22.0 -> 21.6-24.5 (a C model of the tile,
+            // weights in L1: 20.3-21.2 -> 22.9-24.3).
+            let table = _mm512_add_ps(
+                _mm512_mul_ps(
+                    _mm512_setr_ps(
+                        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0,
+                        14.0, 15.0,
+                    ),
+                    d,
                 ),
-                d,
                 m,
             );
             let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(8).cast()));
@@ -188,15 +201,41 @@ impl Block for Q8_0Wide {
     unsafe fn load(p: *const u8) -> (__m512, __m512) {
         // SAFETY: per the trait contract (the block is 36 readable bytes).
         unsafe {
-            let d = _mm512_set1_ps(p.cast::<f32>().read_unaligned());
             let lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(4).cast()));
             let hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(20).cast()));
             (
-                _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),
+                mul_broadcast(_mm512_cvtepi32_ps(lo), p.cast()),
+                mul_broadcast(_mm512_cvtepi32_ps(hi), p.cast()),
             )
         }
     }
+}
+
+/// `a * d` (one rounding: `vmulps`) with the f32 at `d` broadcast from memory inside the
+/// instruction. Both halves of a Q8_0 block multiply by the same `d`, and the compiler loads
+/// it once into a register with a `vbroadcastss`, which on Zen 4 takes the one 512-bit shuffle
+/// pipe that the sign extensions need too; folded, the broadcast costs no shuffle (the
+/// intrinsics give no way to keep the compiler from sharing the load, hence the `asm!`).
+/// The LM head at one token (`throughput --kernels`, 3 rounds interleaved): 1513-1641 ->
+/// 1385-1406 us; a C model of the 4-row tile, weights in L1: 19.5-19.7 -> 20.8-22.6 GMAC/s.
+///
+/// # Safety
+/// `d` points at 4 readable bytes; AVX-512F is available.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn mul_broadcast(a: __m512, d: *const f32) -> __m512 {
+    let product;
+    // SAFETY: reads the 4 bytes at `d` (the contract) and writes only `product`.
+    unsafe {
+        std::arch::asm!(
+            "vmulps {product}, {a}, dword ptr [{d}]{{1to16}}",
+            product = lateout(zmm_reg) product,
+            a = in(zmm_reg) a,
+            d = in(reg) d,
+            options(pure, readonly, nostack, preserves_flags),
+        )
+    };
+    product
 }
 
 /// One tile: `out[j * out_stride + i] = dot(row i, token j)`.

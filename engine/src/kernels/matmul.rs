@@ -23,7 +23,8 @@ use crate::step_pool::StepPool;
 pub enum Format {
     /// As in the file.
     Gguf(TensorType),
-    /// Q4_1 with f32 `d` and `m`: 24 bytes per 32 weights.
+    /// Q4_1 with f32 `d` and `m`: 24 bytes per 32 weights. `d` holds an f16's value (only
+    /// [`repack`] builds this form): the AVX-512 kernel relies on `d * q` being exact.
     Q4_1Wide,
     /// Q8_0 with f32 `d`: 36 bytes per 32 weights.
     Q8_0Wide,
