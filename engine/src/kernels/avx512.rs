@@ -238,6 +238,29 @@ unsafe fn mul_broadcast(a: __m512, d: *const f32) -> __m512 {
     product
 }
 
+/// `fma(a, d, acc)` (one rounding: `vfmadd231ps`) with the f32 at `d` broadcast from memory
+/// inside the instruction, as [`mul_broadcast`]: where one weight multiplies several vectors,
+/// the compiler would broadcast it into a register first, on the shuffle pipe.
+///
+/// # Safety
+/// `d` points at 4 readable bytes; AVX-512F is available.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn fma_broadcast(a: __m512, d: *const f32, acc: __m512) -> __m512 {
+    let mut acc = acc;
+    // SAFETY: reads the 4 bytes at `d` (the contract) and writes only `acc`.
+    unsafe {
+        std::arch::asm!(
+            "vfmadd231ps {acc}, {a}, dword ptr [{d}]{{1to16}}",
+            acc = inout(zmm_reg) acc,
+            a = in(zmm_reg) a,
+            d = in(reg) d,
+            options(pure, readonly, nostack, preserves_flags),
+        )
+    };
+    acc
+}
+
 /// One tile: `out[j * out_stride + i] = dot(row i, token j)`.
 ///
 /// # Safety
