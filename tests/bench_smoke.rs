@@ -31,12 +31,22 @@ async fn the_interference_experiment_writes_every_field() {
         for field in [
             "itl_p50_ms",
             "itl_p99_ms",
+            "itl_p999_ms",
+            "itl_max_ms",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "throughput_tok_s",
         ] {
             assert!(m[field].is_f64(), "{mode}.{field} missing: {m}");
         }
+        // The tail in order, and the longest gap a real one.
+        let tail = ["itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "itl_max_ms"]
+            .map(|f| m[f].as_f64().unwrap_or(f64::NAN));
+        assert!(
+            tail.windows(2).all(|w| w[0] <= w[1]) && tail[3] > 0.0,
+            "{mode}: ITL tail out of order: {tail:?}"
+        );
+        assert!(m["itl_over_100ms"].is_u64(), "{mode}: {m}");
         assert!(m["params"]["long_prompt"].is_u64(), "{mode}.params: {m}");
         assert_eq!(m["failed"], 0, "{mode}: requests failed: {m}");
         assert!(m["long_prompts"].as_u64() >= Some(1), "{mode}: {m}");
