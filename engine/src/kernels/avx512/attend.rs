@@ -7,8 +7,9 @@ use super::{fma_broadcast, hsum, tree_halves, tree_quarters};
 use crate::kernels::attention::sweep::{Seq, Tiles, sweep};
 use crate::kernels::exp;
 
-/// The AVX-512 tiles of the shared sweep.
-pub struct Avx512;
+/// The AVX-512 tiles of the shared sweep; `ONE_HEAD_OF_64`: the call attends one KV head of
+/// several, and heads are 64 elements ([`scores_chunks`]).
+pub struct Avx512<const ONE_HEAD_OF_64: bool>;
 
 /// Where one KV head of one token lives: a pointer to `head_dim` elements.
 pub trait KvElem: Copy {
@@ -81,8 +82,15 @@ pub unsafe fn attend<E: KvElem>(
         len: pos + 1,
         cold,
     };
+    let group = n_heads / n_kv_heads;
     // SAFETY: the caller's contract is `sweep`'s; the target features are enabled here.
-    unsafe { sweep::<E, Avx512>(&seq, n_heads / n_kv_heads, kv_heads, q, scores, out) }
+    unsafe {
+        if head_dim == 64 && kv_heads.len() == 1 && n_kv_heads > 1 {
+            sweep::<E, Avx512<true>>(&seq, group, kv_heads, q, scores, out)
+        } else {
+            sweep::<E, Avx512<false>>(&seq, group, kv_heads, q, scores, out)
+        }
+    }
 }
 
 /// `s[j] = exp(s[j] - max)`, sixteen at a time (the portable kernel's operations:
@@ -153,7 +161,7 @@ pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
     }
 }
 
-impl<E: KvElem> Tiles<E> for Avx512 {
+impl<E: KvElem, const ONE_HEAD_OF_64: bool> Tiles<E> for Avx512<ONE_HEAD_OF_64> {
     /// `s[h * len + j]` = the scaled score of query head `h` (at `q + h * head_dim`) for
     /// every position `j` of `span` (within one page): 16-lane FMAs over the head's chunks
     /// and the fixed tree.
@@ -165,50 +173,12 @@ impl<E: KvElem> Tiles<E> for Avx512 {
         q: *const f32,
         s: *mut f32,
     ) {
-        let (head_dim, len) = (seq.head_dim, seq.len);
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
+        // SAFETY: the caller's contract.
         unsafe {
-            let mut k = seq.row(false, at, span.start);
-            // Four positions at a time: their trees side by side ([`hsum4`]).
-            let mut j = span.start;
-            let sc = _mm_set1_ps(scale);
-            while j + 4 <= span.end {
-                let mut acc = [[_mm512_setzero_ps(); 4]; H];
-                let mut c = 0;
-                while c < head_dim {
-                    let kc: [__m512; 4] =
-                        std::array::from_fn(|p| E::load16(k.add(p * seq.kv_dim + c)));
-                    for h in 0..H {
-                        let qh = _mm512_loadu_ps(q.add(h * head_dim + c));
-                        for p in 0..4 {
-                            acc[h][p] = _mm512_fmadd_ps(qh, kc[p], acc[h][p]);
-                        }
-                    }
-                    c += 16;
-                }
-                for h in 0..H {
-                    let sums = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-                    _mm_storeu_ps(s.add(h * len + j), _mm_mul_ps(sums, sc));
-                }
-                k = k.wrapping_add(4 * seq.kv_dim);
-                j += 4;
-            }
-            for j in j..span.end {
-                let mut acc = [_mm512_setzero_ps(); H];
-                let mut c = 0;
-                while c < head_dim {
-                    let kc = E::load16(k.add(c));
-                    for h in 0..H {
-                        let qh = _mm512_loadu_ps(q.add(h * head_dim + c));
-                        acc[h] = _mm512_fmadd_ps(qh, kc, acc[h]);
-                    }
-                    c += 16;
-                }
-                for h in 0..H {
-                    *s.add(h * len + j) = hsum(acc[h]) * scale;
-                }
-                k = k.wrapping_add(seq.kv_dim);
+            if ONE_HEAD_OF_64 {
+                scores_chunks::<E, H, 4>(seq, at, span, q, s)
+            } else {
+                scores_chunks::<E, H, 0>(seq, at, span, q, s)
             }
         }
     }
@@ -263,6 +233,69 @@ unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
         let s1 = _mm512_add_ps(s2, _mm512_shuffle_ps::<0b01_01_01_01>(s2, s2));
         let lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
         _mm512_castps512_ps128(_mm512_permutexvar_ps(lanes, s1))
+    }
+}
+
+/// [`Tiles::scores`] over `CH` chunks of 16 (`CH = 0`: `head_dim / 16`, read at run time).
+///
+/// `CH = 4` (heads of 64, the loop over the chunks unrolled) only where a call attends one
+/// KV head of several: there it is faster, whole tokens slower. `throughput --attention`, ns
+/// per position and KV head, 3-4 rounds interleaved: one head per call 800 x 4 30.8-34.5 ->
+/// 24.3-27.5, 2048 x 4 30.8-32.5 -> 25.2-26.6, 256 x 32 34.9-36.5 -> 26.3-26.7; a whole
+/// token's call 800 x 4 16.9-18.5 -> 18.4-19.8, 2048 x 4 17.7-18.4 -> 20.8-22.0 (not
+/// understood: the loads of the unrolled loop come sooner after the prefetch of each head's
+/// rows, a page ahead, than the loop's did). Decode at batch 1 on two threads (a token's KV
+/// heads split between them), 400 steps from a 560-token context, 6 pairs alternating:
+/// 171-196 -> 179-204 tok/s, 1.01-1.09x per pair.
+#[inline(always)]
+unsafe fn scores_chunks<E: KvElem, const H: usize, const CH: usize>(
+    seq: &Seq<'_, E>,
+    at: usize,
+    span: std::ops::Range<usize>,
+    q: *const f32,
+    s: *mut f32,
+) {
+    let (head_dim, len) = (seq.head_dim, seq.len);
+    let chunks = if CH > 0 { CH } else { head_dim / 16 };
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    // SAFETY: rows hold `head_dim` elements; `q` holds H heads and `s` H rows of `len`.
+    unsafe {
+        let mut k = seq.row(false, at, span.start);
+        // Four positions at a time: their trees side by side ([`hsum4`]).
+        let mut j = span.start;
+        let sc = _mm_set1_ps(scale);
+        while j + 4 <= span.end {
+            let mut acc = [[_mm512_setzero_ps(); 4]; H];
+            for c in (0..chunks).map(|i| i * 16) {
+                let kc: [__m512; 4] = std::array::from_fn(|p| E::load16(k.add(p * seq.kv_dim + c)));
+                for h in 0..H {
+                    let qh = _mm512_loadu_ps(q.add(h * head_dim + c));
+                    for p in 0..4 {
+                        acc[h][p] = _mm512_fmadd_ps(qh, kc[p], acc[h][p]);
+                    }
+                }
+            }
+            for h in 0..H {
+                let sums = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+                _mm_storeu_ps(s.add(h * len + j), _mm_mul_ps(sums, sc));
+            }
+            k = k.wrapping_add(4 * seq.kv_dim);
+            j += 4;
+        }
+        for j in j..span.end {
+            let mut acc = [_mm512_setzero_ps(); H];
+            for c in (0..chunks).map(|i| i * 16) {
+                let kc = E::load16(k.add(c));
+                for h in 0..H {
+                    let qh = _mm512_loadu_ps(q.add(h * head_dim + c));
+                    acc[h] = _mm512_fmadd_ps(qh, kc, acc[h]);
+                }
+            }
+            for h in 0..H {
+                *s.add(h * len + j) = hsum(acc[h]) * scale;
+            }
+            k = k.wrapping_add(seq.kv_dim);
+        }
     }
 }
 
