@@ -336,15 +336,14 @@ fn result_of(
         itl_ms: f64::INFINITY,
     };
     let s = stats::summarize(&steady, seconds, slo);
-    let gaps: Vec<f64> = steady
-        .iter()
-        .flat_map(|r| r.itl.iter().map(|(gap, _)| *gap))
-        .collect();
+    // Every gap of the steady sequences with the time it ended, s.
+    let timed: Vec<(f64, f64)> = steady.iter().flat_map(|r| r.itl.iter().copied()).collect();
+    let gaps: Vec<f64> = timed.iter().map(|(gap, _)| *gap).collect();
     let ms = |q: f64| stats::percentile(&gaps, q).map_or(0.0, |g| g * 1e3);
     let l = stats::summarize(&long, seconds, slo);
     let all = stats::summarize(records, seconds, slo);
     ModeResult {
-        itl_p99_over_local_p50: local_jitter(&steady),
+        itl_p99_over_local_p50: local_jitter(&timed),
         itl_p50_ms: s.itl_p50_ms,
         itl_p99_ms: s.itl_p99_ms,
         itl_p999_ms: ms(0.999),
@@ -360,11 +359,11 @@ fn result_of(
     }
 }
 
-/// p99 of each inter-token gap divided by the median gap of its 2-second window.
-fn local_jitter(steady: &[RequestRecord]) -> f64 {
-    let gaps: Vec<(f64, f64)> = steady.iter().flat_map(|r| r.itl.iter().copied()).collect();
+/// p99 of each inter-token gap (`(gap, time it ended)`, s) divided by the median gap of its
+/// 2-second window.
+fn local_jitter(gaps: &[(f64, f64)]) -> f64 {
     let mut windows: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
-    for (g, t) in &gaps {
+    for (g, t) in gaps {
         windows.entry((t / 2.0) as u64).or_default().push(*g);
     }
     let medians: std::collections::BTreeMap<u64, f64> = windows

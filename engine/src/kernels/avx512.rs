@@ -12,9 +12,11 @@
 use std::arch::x86_64::*;
 
 mod attend;
+mod broadcast;
 pub use attend::attend;
 #[cfg(test)]
 pub(crate) use attend::exp16;
+use broadcast::mul_broadcast;
 
 /// The many-token kernel's register tile for a few tokens (below [`TALL_FROM`]): 4 rows x 4
 /// tokens. At 4 x 5 the 20 accumulators, 4 weight vectors and the token vector should fit
@@ -209,56 +211,6 @@ impl Block for Q8_0Wide {
             )
         }
     }
-}
-
-/// `a * d` (one rounding: `vmulps`) with the f32 at `d` broadcast from memory inside the
-/// instruction. Both halves of a Q8_0 block multiply by the same `d`, and the compiler loads
-/// it once into a register with a `vbroadcastss`, which on Zen 4 takes the one 512-bit shuffle
-/// pipe that the sign extensions need too; folded, the broadcast costs no shuffle (the
-/// intrinsics give no way to keep the compiler from sharing the load, hence the `asm!`).
-/// The LM head at one token (`throughput --kernels`, 3 rounds interleaved): 1513-1641 ->
-/// 1385-1406 us; a C model of the 4-row tile, weights in L1: 19.5-19.7 -> 20.8-22.6 GMAC/s.
-///
-/// # Safety
-/// `d` points at 4 readable bytes; AVX-512F is available.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn mul_broadcast(a: __m512, d: *const f32) -> __m512 {
-    let product;
-    // SAFETY: reads the 4 bytes at `d` (the contract) and writes only `product`.
-    unsafe {
-        std::arch::asm!(
-            "vmulps {product}, {a}, dword ptr [{d}]{{1to16}}",
-            product = lateout(zmm_reg) product,
-            a = in(zmm_reg) a,
-            d = in(reg) d,
-            options(pure, readonly, nostack, preserves_flags),
-        )
-    };
-    product
-}
-
-/// `fma(a, d, acc)` (one rounding: `vfmadd231ps`) with the f32 at `d` broadcast from memory
-/// inside the instruction, as [`mul_broadcast`]: where one weight multiplies several vectors,
-/// the compiler would broadcast it into a register first, on the shuffle pipe.
-///
-/// # Safety
-/// `d` points at 4 readable bytes; AVX-512F is available.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(super) unsafe fn fma_broadcast(a: __m512, d: *const f32, acc: __m512) -> __m512 {
-    let mut acc = acc;
-    // SAFETY: reads the 4 bytes at `d` (the contract) and writes only `acc`.
-    unsafe {
-        std::arch::asm!(
-            "vfmadd231ps {acc}, {a}, dword ptr [{d}]{{1to16}}",
-            acc = inout(zmm_reg) acc,
-            a = in(zmm_reg) a,
-            d = in(reg) d,
-            options(pure, readonly, nostack, preserves_flags),
-        )
-    };
-    acc
 }
 
 /// One tile: `out[j * out_stride + i] = dot(row i, token j)`.

@@ -3,7 +3,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{fma_broadcast, hsum, tree_halves, tree_quarters};
+use super::broadcast::fma_broadcast;
+use super::{hsum, tree_halves, tree_quarters};
 use crate::kernels::attention::sweep::{Seq, Tiles, sweep};
 use crate::kernels::exp;
 
@@ -240,9 +241,9 @@ unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
 ///
 /// `CH = 4` (heads of 64, the loop over the chunks unrolled) only where a call attends one
 /// KV head of several: there it is faster, whole tokens slower. `throughput --attention`, ns
-/// per position and KV head, 3-4 rounds interleaved: one head per call 800 x 4 30.8-34.5 ->
-/// 24.3-27.5, 2048 x 4 30.8-32.5 -> 25.2-26.6, 256 x 32 34.9-36.5 -> 26.3-26.7; a whole
-/// token's call 800 x 4 16.9-18.5 -> 18.4-19.8, 2048 x 4 17.7-18.4 -> 20.8-22.0 (not
+/// per position and KV head, 3-4 rounds interleaved: one head per call 800 x 4 30.7-34.5 ->
+/// 24.3-26.6, 2048 x 4 30.8-32.5 -> 25.2-26.2, 256 x 32 34.9-36.5 -> 26.3-26.7; a whole
+/// token's call 800 x 4 16.9-18.5 -> 18.3-19.8, 2048 x 4 17.7-18.4 -> 20.8-22.0 (not
 /// understood: the loads of the unrolled loop come sooner after the prefetch of each head's
 /// rows, a page ahead, than the loop's did). Decode at batch 1 on two threads (a token's KV
 /// heads split between them), 400 steps from a 560-token context, 6 pairs alternating:
