@@ -199,7 +199,7 @@ impl Model {
         let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
             let t = g.tensor(name)?;
             check_shape(t, &[cols, rows])?;
-            let (ty, bytes) = repack(t.ty, g.tensor_bytes(t));
+            let (ty, bytes) = repack(t.ty, g.tensor_bytes(t), cols);
             let mut arena = arena.borrow_mut();
             let start = arena.len();
             arena.extend_from_slice(&bytes);

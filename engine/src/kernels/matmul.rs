@@ -15,7 +15,7 @@ use crate::step_pool::StepPool;
 
 /// How a matrix's blocks are stored in memory.
 ///
-/// The GGUF types as they are in the file, plus two repacked forms that the model builds at
+/// The GGUF types as they are in the file, plus the repacked forms that the model builds at
 /// load for the hot types: the f16 scale and minimum widened to f32 (exact), so the kernel
 /// broadcasts them straight from memory instead of converting every block. Weights stay
 /// 4- and 8-bit.
@@ -28,6 +28,13 @@ pub enum Format {
     Q4_1Wide,
     /// Q8_0 with f32 `d`: 36 bytes per 32 weights.
     Q8_0Wide,
+    /// [`Format::Q4_1Wide`]'s blocks, each row's in groups of four ([`GROUP`] blocks, 96
+    /// bytes): first the four blocks' 64 bytes of nibbles interleaved, 32-bit word `l`
+    /// holding byte `l` of block `k` in its byte `k`; then their `(d, m)` pairs. A row's last
+    /// blocks, fewer than four, are as in `Q4_1Wide`. So AVX-512 reads four blocks' indices
+    /// with one load and takes each block's by shifts; `vpermps` reads an index's low 4 bits
+    /// ([`repack`] says why only AVX-512 gets it).
+    Q4_1Grouped,
 }
 
 impl Format {
@@ -35,7 +42,7 @@ impl Format {
     pub fn block_elems(self) -> usize {
         match self {
             Format::Gguf(t) => t.block_elems(),
-            Format::Q4_1Wide | Format::Q8_0Wide => 32,
+            Format::Q4_1Wide | Format::Q4_1Grouped | Format::Q8_0Wide => 32,
         }
     }
 
@@ -43,14 +50,27 @@ impl Format {
     pub fn block_bytes(self) -> usize {
         match self {
             Format::Gguf(t) => t.block_bytes(),
-            Format::Q4_1Wide => 24,
+            Format::Q4_1Wide | Format::Q4_1Grouped => 24,
             Format::Q8_0Wide => 36,
         }
     }
 }
 
-/// Repacks GGUF blocks into the kernel's preferred format (or returns them as they are).
-pub fn repack(ty: TensorType, bytes: &[u8]) -> (Format, Vec<u8>) {
+/// Blocks of a [`Format::Q4_1Grouped`] group.
+pub const GROUP: usize = 4;
+
+/// Repacks GGUF blocks (rows of `cols`) into the format this process's kernels prefer (or
+/// returns them as they are).
+///
+/// Q4_1 is grouped only where the kernels are AVX-512's: there each block had taken a
+/// zero-extension of its 16 nibble bytes on Zen 4's one 512-bit shuffle pipe, beside its two
+/// permutes. AVX2's kernel reads a block's two 8-lane halves from its own 16 bytes.
+pub fn repack(ty: TensorType, bytes: &[u8], cols: usize) -> (Format, Vec<u8>) {
+    repack_for(super::isa(), ty, bytes, cols)
+}
+
+/// [`repack`] for the kernels of `isa`.
+pub fn repack_for(isa: super::Isa, ty: TensorType, bytes: &[u8], cols: usize) -> (Format, Vec<u8>) {
     let h = |b: &[u8]| {
         f16::from_bits(u16::from_le_bytes([b[0], b[1]]))
             .to_f32()
@@ -64,7 +84,11 @@ pub fn repack(ty: TensorType, bytes: &[u8]) -> (Format, Vec<u8>) {
                 out.extend(h(&blk[2..4]));
                 out.extend(&blk[4..20]);
             }
-            (Format::Q4_1Wide, out)
+            if isa == super::Isa::Avx512 && cols.is_multiple_of(BLOCK) && cols > 0 {
+                (Format::Q4_1Grouped, group_rows(&out, cols / BLOCK))
+            } else {
+                (Format::Q4_1Wide, out)
+            }
         }
         TensorType::Q8_0 => {
             let mut out = Vec::with_capacity(bytes.len() / 34 * 36);
@@ -76,6 +100,25 @@ pub fn repack(ty: TensorType, bytes: &[u8]) -> (Format, Vec<u8>) {
         }
         other => (Format::Gguf(other), bytes.to_vec()),
     }
+}
+
+/// [`Format::Q4_1Wide`] rows of `blocks` blocks as [`Format::Q4_1Grouped`] (the same size).
+fn group_rows(wide: &[u8], blocks: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(wide.len());
+    for row in wide.chunks_exact(blocks * 24) {
+        let mut groups = row.chunks_exact(GROUP * 24);
+        for group in &mut groups {
+            let blk = |k: usize| &group[k * 24..(k + 1) * 24];
+            for l in 0..16 {
+                out.extend((0..GROUP).map(|k| blk(k)[8 + l]));
+            }
+            for k in 0..GROUP {
+                out.extend(&blk(k)[..8]);
+            }
+        }
+        out.extend(groups.remainder());
+    }
+    out
 }
 
 /// Rows of W per tile.
@@ -140,6 +183,20 @@ fn dequant_block(ty: Format, row: &[u8], b: usize, out: &mut [f32]) {
             for j in 0..16 {
                 out[j] = f32::from(qs[j] & 0x0F).mul_add(d, m);
                 out[j + 16] = f32::from(qs[j] >> 4).mul_add(d, m);
+            }
+        }
+        Format::Q4_1Grouped if b >= row.len() / 24 / GROUP * GROUP => {
+            dequant_block(Format::Q4_1Wide, row, b, out)
+        }
+        Format::Q4_1Grouped => {
+            let (g, k) = (b / GROUP, b % GROUP);
+            let group = &row[g * GROUP * 24..(g + 1) * GROUP * 24];
+            let dm = &group[64 + 8 * k..72 + 8 * k];
+            let (d, m) = (f(&dm[0..4]), f(&dm[4..8]));
+            for j in 0..16 {
+                let q = group[4 * j + k];
+                out[j] = f32::from(q & 0x0F).mul_add(d, m);
+                out[j + 16] = f32::from(q >> 4).mul_add(d, m);
             }
         }
         Format::Q8_0Wide => {
@@ -332,7 +389,7 @@ unsafe fn rows_into(
         // Same bits either way.
         // `$simd::rows` or `$simd::rows_many` over the repacked formats; falls through for others.
         macro_rules! simd {
-            ($simd:ident) => {{
+            ($simd:ident $(, $grouped:ident)?) => {{
                 use super::$simd;
                 macro_rules! run {
                     ($B:ty) => {
@@ -351,13 +408,14 @@ unsafe fn rows_into(
                 match w.ty {
                     Format::Q4_1Wide => return unsafe { run!($simd::Q4_1Wide) },
                     Format::Q8_0Wide => return unsafe { run!($simd::Q8_0Wide) },
+                    $(Format::$grouped => return unsafe { run!($simd::$grouped) },)?
                     _ => {}
                 }
             }};
         }
         if w.cols.is_multiple_of(BLOCK) {
             match super::isa() {
-                super::Isa::Avx512 => simd!(avx512),
+                super::Isa::Avx512 => simd!(avx512, Q4_1Grouped),
                 super::Isa::Avx2 | super::Isa::Avx2NoF16c => simd!(avx2),
                 super::Isa::Portable => {}
             }

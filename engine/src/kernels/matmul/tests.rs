@@ -50,7 +50,7 @@ fn matches_a_f64_reference_for_every_type() {
     ];
     for gty in types {
         let raw = quantize(gty, &values);
-        for (ty, bytes) in [(Format::Gguf(gty), raw.clone()), repack(gty, &raw)] {
+        for (ty, bytes) in [(Format::Gguf(gty), raw.clone()), repack(gty, &raw, cols)] {
             let w = QRef {
                 ty,
                 rows,
@@ -79,10 +79,14 @@ fn the_dispatched_kernel_computes_the_portable_bits() {
         (TensorType::Q8_0, 96),
         (TensorType::Q4_1, 1536),
         (TensorType::Q8_0, 800),
+        // Grouped Q4_1 (on AVX-512): a group and a lone block; the model's 576 columns,
+        // four groups and two lone blocks.
+        (TensorType::Q4_1, 160),
+        (TensorType::Q4_1, 576),
     ] {
         let rows = 37;
         let raw = quantize(ty, &random(rows * cols, 7));
-        let (format, bytes) = repack(ty, &raw);
+        let (format, bytes) = repack(ty, &raw, cols);
         let w = QRef {
             ty: format,
             rows,
@@ -109,11 +113,62 @@ fn the_dispatched_kernel_computes_the_portable_bits() {
     }
 }
 
+/// The grouped layout moves bytes, not values: every row dequantizes to the wide blocks' bits,
+/// with and without lone blocks at the end; and AVX-512 is the level that gets it.
+#[test]
+fn grouped_q4_1_holds_the_wide_blocks_values() {
+    for cols in [32, 96, 128, 160, 576] {
+        let rows = 5;
+        let raw = quantize(TensorType::Q4_1, &random(rows * cols, 11));
+        let (wide_ty, wide) = repack_for(crate::kernels::Isa::Avx2, TensorType::Q4_1, &raw, cols);
+        let (grouped_ty, grouped) =
+            repack_for(crate::kernels::Isa::Avx512, TensorType::Q4_1, &raw, cols);
+        assert_eq!(
+            (wide_ty, grouped_ty),
+            (Format::Q4_1Wide, Format::Q4_1Grouped)
+        );
+        assert_eq!(wide.len(), grouped.len());
+        if cols >= 32 * GROUP {
+            assert_ne!(
+                wide, grouped,
+                "{cols} columns: a group is stored differently"
+            );
+        }
+        let at = |ty, bytes: &[u8]| {
+            let w = QRef {
+                ty,
+                rows,
+                cols,
+                bytes,
+            };
+            let mut all = Vec::new();
+            for r in 0..rows {
+                let mut row = vec![0f32; cols];
+                w.dequantize_row(r, &mut row);
+                all.extend(row.iter().map(|v| v.to_bits()));
+            }
+            all
+        };
+        assert_eq!(
+            at(wide_ty, &wide),
+            at(grouped_ty, &grouped),
+            "{cols} columns"
+        );
+    }
+    let want = if crate::kernels::isa() == crate::kernels::Isa::Avx512 {
+        Format::Q4_1Grouped
+    } else {
+        Format::Q4_1Wide
+    };
+    let raw = quantize(TensorType::Q4_1, &random(128, 12));
+    assert_eq!(repack(TensorType::Q4_1, &raw, 128).0, want);
+}
+
 #[test]
 fn batch_size_threads_and_position_do_not_change_a_single_bit() {
     let (rows, cols) = (37, 128);
     let raw = quantize(TensorType::Q4_1, &random(rows * cols, 3));
-    let (ty, bytes) = repack(TensorType::Q4_1, &raw);
+    let (ty, bytes) = repack(TensorType::Q4_1, &raw, cols);
     let w = QRef {
         ty,
         rows,
