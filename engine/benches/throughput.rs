@@ -454,7 +454,7 @@ fn kernels(path: &std::path::Path) {
 
 /// One decode step's attention over every layer for `ATTN_SEQS` sequences (default 1) at an
 /// `ATTN_CTX`-position context (default 480; f16 KV, the model's heads, pages of
-/// `ATTN_PAGE`, default 16), alone: its time per position and KV head, and the KV bytes it
+/// `ATTN_PAGE`, default 16; `ATTN_REPS` steps per round), alone: its time per position and KV head, and the KV bytes it
 /// reads per second. Two ways, alternated in the same process: each token's KV heads in one
 /// call (`whole`), and one call per KV head (`per head`, how a step split its heads over
 /// threads), each head's call right after the last.
@@ -499,7 +499,8 @@ fn attention_kernel(model: &Model) {
     let mut out = vec![0f32; c.n_heads * c.head_dim];
     let group_width = c.n_heads / c.n_kv_heads * c.head_dim;
     let mut scratch = AttnScratch::default();
-    let reps = (9600 / (ctx * seqs)).max(4);
+    // `ATTN_REPS` longer, for a profiler's samples.
+    let reps = env("ATTN_REPS", (9600 / (ctx * seqs)).max(4));
     let units = (c.n_layers * c.n_kv_heads * ctx * seqs) as f64;
     let bytes = units * 2.0 * (c.head_dim * 2) as f64;
     let mut best = [f64::MAX; 2];

@@ -138,6 +138,10 @@ pub fn token_split(tokens: usize, team: &StepPool) -> Option<usize> {
     let threads = team.threads();
     (threads > 1 && tokens >= threads * TOKENS_PER_THREAD).then(|| tokens.div_ceil(threads))
 }
+/// Tokens from which a product split by row gives each thread four pieces rather than one
+/// (see [`matmul_group`]). Batch-32 decode on two threads of a Zen 4 guest, 7 rounds
+/// interleaved: 539-643 -> 605-638 tok/s (8 pieces: 577-626).
+const PIECES_FROM: usize = 16;
 /// Elements per quantization block.
 const BLOCK: usize = 32;
 
@@ -309,11 +313,19 @@ pub fn matmul_group(
     // interleaved) batch 1 ran at 177-197 tok/s against 195-226 at one, after 480 tokens
     // 141-162 against 149-174, batch 8 464-517 against 492-523.
     //
+    // From [`PIECES_FROM`] tokens a product is compute-bound and the cold start is a small
+    // part of a piece, while one piece per thread leaves a thread whose core the host slows
+    // for a moment the region's last: four pieces each.
+    //
     // Each piece writes its rows of every token straight into the output (which a `&mut`
     // slice per piece cannot express: the pieces' rows interleave token by token). Copying
     // them from per-piece scratch after the region had been a serial 4-5 % of a batch-32
     // step on two threads.
-    let pieces_per = threads;
+    let pieces_per = if tokens >= PIECES_FROM {
+        threads * 4
+    } else {
+        threads
+    };
     // (matrix, first row, rows) of each piece.
     let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
     for (m, w) in ws.iter().enumerate() {
