@@ -248,10 +248,28 @@ struct TokenRef {
     pos: usize,
 }
 
-/// `f(input rows, output rows)` over `tokens` rows of `width`: in a step split by token
-/// (a long prefill chunk), on each thread for its own range of tokens (in a 512-token prefill
-/// these were a tenth of the step, serial while the other threads spun); otherwise, taking
-/// microseconds, on the caller. The operations are row-wise, so the split changes no bit.
+/// Tokens from which the row-wise operations (norms, SiLU, residual adds, rotary embedding)
+/// are split between the threads where the products split by row. Below, they take a few
+/// microseconds on the caller; at batch 32 on two threads they had been ~4 % of the caller's
+/// samples, the other thread spinning meanwhile. Batch-32 decode on 2 threads of a Zen 4
+/// guest, 10 pairs alternating: 524-627 -> 531-633 tok/s, medians 593 -> 621 (7 pairs of 10
+/// faster).
+const ROW_OPS_SPLIT_FROM: usize = 16;
+
+/// The tokens of each thread's range for the row-wise operations of a step of `tokens`, or
+/// `None` to run them on the caller: the step's own split by token ([`token_split`]), or from
+/// [`ROW_OPS_SPLIT_FROM`] tokens an even one (the products, split by row there, do not care).
+fn row_split(tokens: usize, team: &StepPool) -> Option<usize> {
+    token_split(tokens, team).or_else(|| {
+        (team.threads() > 1 && tokens >= ROW_OPS_SPLIT_FROM)
+            .then(|| tokens.div_ceil(team.threads()))
+    })
+}
+
+/// `f(input rows, output rows)` over `tokens` rows of `width`: on each thread for its own
+/// range of tokens where [`row_split`] splits the step (in a 512-token prefill these were a
+/// tenth of the step, serial while the other threads spun); otherwise on the caller. The
+/// operations are row-wise, so the split changes no bit.
 fn by_rows(
     team: &StepPool,
     tokens: usize,
@@ -260,7 +278,7 @@ fn by_rows(
     output: &mut [f32],
     f: impl Fn(&[f32], &mut [f32]) + Sync,
 ) {
-    match token_split(tokens, team) {
+    match row_split(tokens, team) {
         Some(per) => team.for_each_thread(
             input
                 .chunks(per * width)
@@ -336,8 +354,8 @@ fn forward(
             &mut [&mut q, &mut k, &mut v],
             team,
         );
-        // Rotary embedding on each thread's own tokens (in a step split by token), then the
-        // K and V rows into the pool.
+        // Rotary embedding on each thread's own tokens ([`row_split`]), then the K and V rows
+        // into the pool.
         let rotate = |(q, k, toks): (&mut [f32], &mut [f32], &[TokenRef])| {
             for ((q, k), tr) in q
                 .chunks_exact_mut(c.dim)
@@ -348,7 +366,7 @@ fn forward(
                 rope.apply(k, c.head_dim, tr.pos);
             }
         };
-        match token_split(t, team) {
+        match row_split(t, team) {
             Some(per) => team.for_each_thread(
                 q.chunks_mut(per * c.dim)
                     .zip(k.chunks_mut(per * kv_dim))

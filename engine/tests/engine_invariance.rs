@@ -74,7 +74,8 @@ fn chunked_prefill_and_page_boundaries_match_one_shot_bit_for_bit() {
 #[test]
 fn a_long_prefill_split_over_the_threads_matches_short_chunks_bit_for_bit() {
     // 160 tokens on two threads: the products split by token (from 128) and the row-wise
-    // operations split over the team (from 64); chunks of 16 and 40 take neither split.
+    // operations with them; chunks of 16 and 40 split the products by row (four pieces a
+    // thread from 16 tokens) and the row-wise operations evenly (from 16).
     let mut e = engine(KvDtype::F16, 16);
     let p = prompt(160, 2);
     let one_shot = run(&mut e, &p, p.len(), 2);
