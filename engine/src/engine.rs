@@ -252,8 +252,8 @@ struct TokenRef {
 /// are split between the threads where the products split by row. Below, they take a few
 /// microseconds on the caller; at batch 32 on two threads they had been ~4 % of the caller's
 /// samples, the other thread spinning meanwhile. Batch-32 decode on 2 threads of a Zen 4
-/// guest, 10 pairs alternating: 524-627 -> 531-633 tok/s, medians 593 -> 621 (7 pairs of 10
-/// faster).
+/// guest, 10 pairs alternating (the first 5 without the rotary embedding's split): 524-627 ->
+/// 531-633 tok/s, medians 593 -> 621 (7 pairs of 10 faster).
 const ROW_OPS_SPLIT_FROM: usize = 16;
 
 /// The tokens of each thread's range for the row-wise operations of a step of `tokens`, or
