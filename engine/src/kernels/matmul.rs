@@ -57,7 +57,7 @@ impl Format {
 }
 
 /// Blocks of a [`Format::Q4_1Grouped`] group.
-pub const GROUP: usize = 4;
+pub(crate) const GROUP: usize = 4;
 
 /// Repacks GGUF blocks (rows of `cols`) into the format this process's kernels prefer (or
 /// returns them as they are).
@@ -69,8 +69,13 @@ pub fn repack(ty: TensorType, bytes: &[u8], cols: usize) -> (Format, Vec<u8>) {
     repack_for(super::isa(), ty, bytes, cols)
 }
 
-/// [`repack`] for the kernels of `isa`.
-pub fn repack_for(isa: super::Isa, ty: TensorType, bytes: &[u8], cols: usize) -> (Format, Vec<u8>) {
+/// [`repack`] for the kernels of `isa` (the tests build both layouts on one machine).
+pub(crate) fn repack_for(
+    isa: super::Isa,
+    ty: TensorType,
+    bytes: &[u8],
+    cols: usize,
+) -> (Format, Vec<u8>) {
     let h = |b: &[u8]| {
         f16::from_bits(u16::from_le_bytes([b[0], b[1]]))
             .to_f32()
@@ -140,8 +145,10 @@ pub fn token_split(tokens: usize, team: &StepPool) -> Option<usize> {
 }
 /// Tokens from which a product split by row gives each thread four pieces rather than one
 /// (see [`matmul_group`]). Batch-32 decode on two threads of a Zen 4 guest, 7 rounds
-/// interleaved: 539-643 -> 605-638 tok/s (8 pieces: 577-626).
+/// interleaved: 539-643 -> 605-638 tok/s ([`PIECES_PER_THREAD`] 8: 577-626).
 const PIECES_FROM: usize = 16;
+/// Pieces per thread of a row-split product from [`PIECES_FROM`] tokens.
+const PIECES_PER_THREAD: usize = 4;
 /// Elements per quantization block.
 const BLOCK: usize = 32;
 
@@ -315,14 +322,14 @@ pub fn matmul_group(
     //
     // From [`PIECES_FROM`] tokens a product is compute-bound and the cold start is a small
     // part of a piece, while one piece per thread leaves a thread whose core the host slows
-    // for a moment the region's last: four pieces each.
+    // for a moment the region's last: [`PIECES_PER_THREAD`] each.
     //
     // Each piece writes its rows of every token straight into the output (which a `&mut`
     // slice per piece cannot express: the pieces' rows interleave token by token). Copying
     // them from per-piece scratch after the region had been a serial 4-5 % of a batch-32
     // step on two threads.
     let pieces_per = if tokens >= PIECES_FROM {
-        threads * 4
+        threads * PIECES_PER_THREAD
     } else {
         threads
     };

@@ -33,8 +33,7 @@ pub mod ops;
 
 pub use lines::Lines;
 pub use matmul::{
-    Format, GROUP, QRef, TOKENS_PER_THREAD, matmul, matmul_group, repack, repack_for, rows_strided,
-    token_split,
+    Format, QRef, TOKENS_PER_THREAD, matmul, matmul_group, repack, rows_strided, token_split,
 };
 
 /// Rows ahead of its tile that the streaming kernels (`avx512::rows`, `avx2::rows`) prefetch (two
