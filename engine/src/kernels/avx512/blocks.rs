@@ -125,9 +125,9 @@ impl Block for Q4_1Grouped {
     /// Lane `l` of the group's first 64 bytes holds byte `l` of each block, block `k`'s in
     /// bits `8k..8k + 8`: shifted down by `8k` (and `8k + 4`), its low 4 bits are the index
     /// `vpermps` reads. Shifts instead of `Q4_1Wide`'s zero-extension per block, which took
-    /// the shuffle pipe the permutes need. `throughput --kernels`, one token, 2 rounds
-    /// interleaved on a Zen 4 core: attn_q 23.1 -> 25.7 GMAC/s, ffn_up 23.4-23.5 ->
-    /// 25.3-25.8, ffn_down 24.4-24.5 -> 28.0-28.4; decode at batch 1 (`--threads 1`, 3 pairs)
+    /// the shuffle pipe the permutes need. `throughput --kernels`, one token, 5 rounds
+    /// interleaved on a Zen 4 core: attn_q 20.5-23.2 -> 25.6-25.8 GMAC/s, ffn_up 23.2-23.6 ->
+    /// 25.3-26.1, ffn_down 22.1-24.5 -> 28.0-28.4; decode at batch 1 (`--threads 1`, 3 pairs)
     /// 147-154 -> 160-162 tok/s, after 512 tokens 136-139 -> 144-146.
     #[inline(always)]
     unsafe fn load_grouped(g: *const u8, k: usize) -> (__m512, __m512) {
