@@ -11,6 +11,7 @@
 //! The attention, and the element-wise kernels that share its `exp`, are in `avx2/attend.rs`.
 
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
 use super::lines::Lines;
 
@@ -332,37 +333,115 @@ pub unsafe fn rows_many<B: Block>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    // Tokens in blocks whose activations stay in L2 while every panel passes over them.
-    let per = (X_BLOCK_BYTES / (cols * 4).max(1)).max(TOKENS_MANY);
-    // Both on cache lines, so that no 8-lane load straddles two (`super::lines`).
-    let mut panel = Lines::zeros(PANEL_ROWS * cols);
+    let per = tokens_per_block(cols);
+    // On a cache line, so that no 8-lane load straddles two (`super::lines`).
     let mut split = Lines::zeros(per.min(tokens) * cols);
     let mut t0 = 0;
     while t0 < tokens {
         let nt = per.min(tokens - t0);
         // The block's tokens split as the panel's rows are (a copy of `nt * cols` f32
-        // against `n * nt * cols` multiply-adds).
-        for (t, s) in x[t0 * cols..(t0 + nt) * cols]
-            .chunks_exact(cols)
-            .zip(split.chunks_exact_mut(cols))
-        {
-            split_halves(t, s);
-        }
+        // against `n * nt * cols` multiply-adds), each block just before its sweep, so that
+        // it is still in L2 there.
+        let split = &mut split[..nt * cols];
+        split_tokens_into(&x[t0 * cols..(t0 + nt) * cols], cols, split);
         // SAFETY: the block's outputs are inside the caller's; the rest is the caller's
         // contract.
-        unsafe {
+        with_panel(cols, |panel| unsafe {
             sweep_block::<B>(
                 w,
                 cols,
                 first,
                 n,
-                &split,
+                split,
                 nt,
-                &mut panel,
+                panel,
                 out.add(t0 * out_stride),
                 out_stride,
             )
+        });
+        t0 += nt;
+    }
+}
+
+thread_local! {
+    /// This thread's panel ([`PANEL_ROWS`] rows), kept from call to call: every panel row a
+    /// tile reads was dequantized into it just before, so it needs no zeroing, and a piece of
+    /// a product split by row (a K or V piece of 24 rows is ~15 us at batch 32) had zeroed a
+    /// fresh one each time.
+    static PANEL: RefCell<Lines> = RefCell::new(Lines::default());
+}
+
+/// `f` on this thread's panel for rows of `cols` (see [`PANEL`]).
+fn with_panel<R>(cols: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    PANEL.with(|panel| {
+        let mut panel = panel.borrow_mut();
+        let len = PANEL_ROWS * cols;
+        if panel.len() < len {
+            // On a cache line, so that no 8-lane load straddles two (`super::lines`); each
+            // row starts on one too (`cols` is a multiple of 32).
+            *panel = Lines::zeros(len);
         }
+        f(&mut panel[..len])
+    })
+}
+
+/// Tokens per block of [`rows_many`]: their activations stay in L2 while every panel passes
+/// over them.
+fn tokens_per_block(cols: usize) -> usize {
+    (X_BLOCK_BYTES / (cols * 4).max(1)).max(TOKENS_MANY)
+}
+
+/// Each token of `x` (rows of `cols`) split into halves ([`split_halves`]) into `split`.
+fn split_tokens_into(x: &[f32], cols: usize, split: &mut [f32]) {
+    for (t, s) in x.chunks_exact(cols).zip(split.chunks_exact_mut(cols)) {
+        split_halves(t, s);
+    }
+}
+
+/// `x` (`tokens` rows of `cols`) as [`rows_many_split`] reads it: each token split into
+/// halves. A product split by row into pieces splits its tokens once with this and gives
+/// every piece the same copy; each piece's own [`rows_many`] had zeroed and filled one per
+/// piece (eight per matrix on two threads at batch 32, 24 for a layer's Q, K and V).
+pub fn split_tokens(x: &[f32], cols: usize) -> Lines {
+    let mut split = Lines::zeros(x.len());
+    split_tokens_into(x, cols, &mut split);
+    split
+}
+
+/// [`rows_many`] over tokens already split ([`split_tokens`]). Same bits.
+///
+/// # Safety
+/// As for [`rows`], with `split` (from [`split_tokens`]) for `x`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_many_split<B: Block>(
+    w: &[u8],
+    cols: usize,
+    first: usize,
+    n: usize,
+    split: &[f32],
+    tokens: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let per = tokens_per_block(cols);
+    let mut t0 = 0;
+    while t0 < tokens {
+        let nt = per.min(tokens - t0);
+        // SAFETY: as in `rows_many`.
+        with_panel(cols, |panel| unsafe {
+            sweep_block::<B>(
+                w,
+                cols,
+                first,
+                n,
+                &split[t0 * cols..(t0 + nt) * cols],
+                nt,
+                panel,
+                out.add(t0 * out_stride),
+                out_stride,
+            )
+        });
         t0 += nt;
     }
 }

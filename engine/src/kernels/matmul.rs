@@ -345,14 +345,55 @@ pub fn matmul_group(
         }
     }
     let x = aligned(x, &mut staged);
+    let split = split_once(ws, x, tokens);
     let bases: Vec<Shared> = outs.iter_mut().map(|o| Shared(o.as_mut_ptr())).collect();
     team.for_each(pieces, |(m, first, n)| {
         let w = ws[m];
         // SAFETY: `outs[m]` holds `tokens * w.rows` f32 (asserted above) and stays borrowed
         // by this call; the pieces' rows `first..first + n` are disjoint, so each element is
-        // written by one piece and read by none during the region.
-        unsafe { rows_into(w, x, tokens, first, n, bases[m].0.add(first), w.rows) }
+        // written by one piece and read by none during the region; `split` is `x` split.
+        unsafe {
+            rows_into(
+                w,
+                x,
+                split.as_deref(),
+                tokens,
+                first,
+                n,
+                bases[m].0.add(first),
+                w.rows,
+            )
+        }
     });
+}
+
+/// The tokens split into halves once for every piece of a row-split product, where the AVX2
+/// many-token kernel will read them so (`avx2::split_tokens`); `None` elsewhere.
+///
+/// Each piece had split its own copy: on two threads at batch 32 a layer zeroed and filled
+/// 56 copies of its inputs where one thread makes 7 (a K or V piece is 24 rows, ~15 us).
+/// Same bits: the kernel reads the same values. With the AVX2 panel kept between calls
+/// (`avx2::PANEL`), on a 2-vCPU Zen 3 guest, old and new binaries alternating
+/// (`throughput --decode-profile`, 2 threads): batch 32 median 307 -> 323 tok/s over 10
+/// pairs (faster in 7), batch 8 239 -> 259 over 5 (faster in 4); 1 thread unchanged.
+fn split_once(ws: &[QRef<'_>], x: &[f32], tokens: usize) -> Option<Lines> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = matches!(super::isa(), super::Isa::Avx2 | super::Isa::Avx2NoF16c);
+        let cols = ws[0].cols;
+        let kernel_reads_split = ws
+            .iter()
+            .any(|w| matches!(w.ty, Format::Q4_1Wide | Format::Q8_0Wide));
+        if avx2
+            && tokens >= super::avx2::MANY_FROM
+            && cols.is_multiple_of(BLOCK)
+            && kernel_reads_split
+        {
+            return Some(super::avx2::split_tokens(&x[..tokens * cols], cols));
+        }
+    }
+    let _ = (ws, x, tokens);
+    None
 }
 
 /// An output shared by the pieces of a split product, each writing its own rows.
@@ -376,7 +417,7 @@ pub fn rows_strided(
 ) {
     let out = strided(out, tokens, n, out_stride);
     // SAFETY: `strided` checked every written index inside `out`, which is borrowed mutably.
-    unsafe { rows_into(w, x, tokens, first, n, out, out_stride) }
+    unsafe { rows_into(w, x, None, tokens, first, n, out, out_stride) }
 }
 
 /// `out`'s start, once checked to hold `t * out_stride + i` for every `t < tokens`, `i < n`.
@@ -386,14 +427,18 @@ fn strided(out: &mut [f32], tokens: usize, n: usize, out_stride: usize) -> *mut 
     out.as_mut_ptr()
 }
 
-/// [`rows_strided`] through a raw output: `out[t * out_stride + (r - first)]`.
+/// [`rows_strided`] through a raw output: `out[t * out_stride + (r - first)]`. `split`:
+/// `x` already split for the AVX2 many-token kernel ([`split_once`]), which then reads it.
 ///
 /// # Safety
 /// `out` may be written at `t * out_stride + i` for `t < tokens`, `i < n`, and nothing else
-/// reads or writes those elements during the call.
+/// reads or writes those elements during the call; `split`, where given, is
+/// `avx2::split_tokens` of `x`'s first `tokens` rows.
+#[allow(clippy::too_many_arguments)]
 unsafe fn rows_into(
     w: QRef<'_>,
     x: &[f32],
+    split: Option<&[f32]>,
     tokens: usize,
     first: usize,
     n: usize,
@@ -401,6 +446,8 @@ unsafe fn rows_into(
     out_stride: usize,
 ) {
     assert!(first + n <= w.rows && x.len() >= tokens * w.cols && out_stride >= n);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = split;
     #[cfg(target_arch = "x86_64")]
     {
         // Many tokens (from `$simd::MANY_FROM`): dequantize each tile (AVX-512) or panel of
@@ -431,6 +478,28 @@ unsafe fn rows_into(
                     _ => {}
                 }
             }};
+        }
+        // Tokens split once for every piece ([`split_once`]), made only where `isa()`
+        // detected AVX2 and FMA and the columns are whole blocks.
+        if let Some(split) = split.filter(|_| tokens >= super::avx2::MANY_FROM) {
+            use super::avx2::{Q4_1Wide, Q8_0Wide, rows_many_split};
+            assert!(split.len() >= tokens * w.cols, "split tokens");
+            macro_rules! run {
+                ($B:ty) => {
+                    // SAFETY: as below, `split` holding the tokens split (the caller's
+                    // contract).
+                    return unsafe {
+                        rows_many_split::<$B>(
+                            w.bytes, w.cols, first, n, split, tokens, out, out_stride,
+                        )
+                    }
+                };
+            }
+            match w.ty {
+                Format::Q4_1Wide => run!(Q4_1Wide),
+                Format::Q8_0Wide => run!(Q8_0Wide),
+                _ => {}
+            }
         }
         if w.cols.is_multiple_of(BLOCK) {
             match super::isa() {

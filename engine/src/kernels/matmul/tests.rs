@@ -240,3 +240,48 @@ fn batch_size_threads_and_position_do_not_change_a_single_bit() {
         }
     }
 }
+
+/// A product split by row into pieces (decode batches on several threads) gives every bit
+/// one thread gives, for both repacked formats and a group of matrices of different heights:
+/// on AVX2 the pieces share one split of the tokens (`split_once`) from three tokens on.
+#[test]
+fn row_split_pieces_give_one_threads_bits() {
+    let cols = 160;
+    for gty in [TensorType::Q4_1, TensorType::Q8_0] {
+        let mats: Vec<(usize, Vec<u8>, Format)> = [45, 13]
+            .into_iter()
+            .map(|rows| {
+                let raw = quantize(gty, &random(rows * cols, rows as u64));
+                let (ty, bytes) = repack(gty, &raw, cols);
+                (rows, bytes, ty)
+            })
+            .collect();
+        let ws: Vec<QRef<'_>> = mats
+            .iter()
+            .map(|(rows, bytes, ty)| QRef {
+                ty: *ty,
+                rows: *rows,
+                cols,
+                bytes,
+            })
+            .collect();
+        let one = StepPool::new(1).expect("team");
+        for threads in [2, 3] {
+            let team = StepPool::new(threads).expect("team");
+            for tokens in [2, 3, 5, 16, 33, 70] {
+                let x = random(tokens * cols, 7 + tokens as u64);
+                let outs = |team: &StepPool| {
+                    let mut a = vec![0f32; tokens * ws[0].rows];
+                    let mut b = vec![0f32; tokens * ws[1].rows];
+                    matmul_group(&ws, &x, tokens, &mut [&mut a, &mut b], team);
+                    (a, b)
+                };
+                assert_eq!(
+                    outs(&team),
+                    outs(&one),
+                    "{gty:?}, {threads} threads, {tokens} tokens"
+                );
+            }
+        }
+    }
+}
