@@ -345,20 +345,19 @@ pub unsafe fn rows_many<B: Block>(
         let split = &mut split[..nt * cols];
         split_tokens_into(&x[t0 * cols..(t0 + nt) * cols], cols, split);
         // SAFETY: the block's outputs are inside the caller's; the rest is the caller's
-        // contract.
-        with_panel(cols, |panel| unsafe {
-            sweep_block::<B>(
+        // contract, `split` the block's tokens split.
+        unsafe {
+            rows_many_split::<B>(
                 w,
                 cols,
                 first,
                 n,
                 split,
                 nt,
-                panel,
                 out.add(t0 * out_stride),
                 out_stride,
             )
-        });
+        };
         t0 += nt;
     }
 }
@@ -428,7 +427,8 @@ pub unsafe fn rows_many_split<B: Block>(
     let mut t0 = 0;
     while t0 < tokens {
         let nt = per.min(tokens - t0);
-        // SAFETY: as in `rows_many`.
+        // SAFETY: the block's outputs are inside the caller's, its slice of `split` holds its
+        // `nt` tokens split; the rest is the caller's contract.
         with_panel(cols, |panel| unsafe {
             sweep_block::<B>(
                 w,
