@@ -480,8 +480,8 @@ unsafe fn rows_into(
             }};
         }
         // Tokens split once for every piece ([`split_once`]), made only where `isa()`
-        // detected AVX2 and FMA and the columns are whole blocks.
-        if let Some(split) = split.filter(|_| tokens >= super::avx2::MANY_FROM) {
+        // detected AVX2 and FMA, the columns are whole blocks and the tokens many.
+        if let Some(split) = split {
             use super::avx2::{Q4_1Wide, Q8_0Wide, rows_many_split};
             assert!(split.len() >= tokens * w.cols, "split tokens");
             macro_rules! run {
