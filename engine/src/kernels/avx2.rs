@@ -104,9 +104,17 @@ impl Block for Q8_0Wide {
 }
 
 /// From this many tokens [`rows_many`] (an f32 panel dequantized once) beats the streaming
-/// [`rows`]: streaming against panel, 19.7 and 15.0 GMAC/s at 2 tokens, 17.5 and 19.8 at 3,
-/// 19.7 and 25.9 at 6 (`--kernels`, an AVX2 EPYC).
-pub const MANY_FROM: usize = 3;
+/// [`rows`]. Below it, from 3 tokens, [`rows`] dequantizes one row's block once for all of
+/// them ([`STREAM_TOKENS`]). Max GMAC/s of six alternated `--kernels` rounds, panel against
+/// streaming, the four layer matrices (an AVX2 Zen 3 EPYC): 15.4-19.1 against 22.2-25.7 at
+/// 3 tokens, 19.6-22.4 against 27.9-29.0 at 4, 20.4-22.0 against 24.2-24.6 at 5, and a tie
+/// at 6 (24.1-25.3 against 22.0-24.4). At 2 tokens, streaming 19.7 against panel 15.0.
+pub const MANY_FROM: usize = 6;
+/// Tokens per tile in [`rows`] from 3 tokens: one row at a time (its 4 dequantized registers),
+/// so up to 5 tokens' 10 accumulators fit beside the dequantizing's registers (the tokens are
+/// read from memory by the multiply-adds). Two rows of two tokens, as at 1 and 2 tokens,
+/// dequantize each row once per pair of tokens.
+const STREAM_TOKENS: usize = 5;
 
 /// Rows dequantized at a time by [`rows_many`]: 15 rows (5 tiles) of up to 1,536 f32 (90 KiB)
 /// stay in L2 while every token passes over them.
@@ -209,12 +217,16 @@ pub unsafe fn rows<B: Block>(
     unsafe {
         let row = |r: usize| base.add((first + r) * rb);
         let tok = |t: usize| xb.add(t * cols);
+        let (most_rows, most_tokens) = match tokens {
+            1 | 2 => (ROWS_ONE_TOKEN, 2),
+            _ => (1, STREAM_TOKENS),
+        };
         let mut r = 0;
         while r < n {
-            let tile_rows = (n - r).min(ROWS_ONE_TOKEN);
+            let tile_rows = (n - r).min(most_rows);
             let mut t = 0;
             while t < tokens {
-                let group = (tokens - t).min(2);
+                let group = (tokens - t).min(most_tokens);
                 let o = ob.add(t * out_stride + r);
                 macro_rules! go {
                     ($R:literal, $T:literal) => {
@@ -234,6 +246,9 @@ pub unsafe fn rows<B: Block>(
                     (3, 1) => go!(3, 1),
                     (2, 2) => go!(2, 2),
                     (2, 1) => go!(2, 1),
+                    (1, 5) => go!(1, 5),
+                    (1, 4) => go!(1, 4),
+                    (1, 3) => go!(1, 3),
                     (1, 2) => go!(1, 2),
                     _ => go!(1, 1),
                 }

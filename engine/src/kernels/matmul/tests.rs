@@ -93,8 +93,9 @@ fn the_dispatched_kernel_computes_the_portable_bits() {
             cols,
             bytes: &bytes,
         };
-        // Few tokens take the streaming tiles (on AVX-512, 5 to 8 tokens in one pass of
-        // 2-row tiles); from `MANY_FROM` (3 on AVX2, 9 on AVX-512) the many-token kernels
+        // Few tokens take the streaming tiles (on AVX2, 3 to 5 tokens in one pass of 1-row
+        // tiles; on AVX-512, 5 to 8 in one pass of 2-row tiles); from `MANY_FROM` (6 on
+        // AVX2, 9 on AVX-512) the many-token kernels
         // (every edge of their panels and token groups; from 64 tokens AVX-512's taller
         // tile; 100 tokens of 1,536 columns outgrow its block of activations: a block of
         // 85, then a short one; AVX2's blocks of 42, then 16).
