@@ -106,8 +106,8 @@ impl Block for Q8_0Wide {
 /// From this many tokens [`rows_many`] (an f32 panel dequantized once) beats the streaming
 /// [`rows`]. Below it, from 3 tokens, [`rows`] dequantizes one row's block once for all of
 /// them ([`STREAM_TOKENS`]). Max GMAC/s of six alternated `--kernels` rounds, panel against
-/// streaming, the four layer matrices (an AVX2 Zen 3 EPYC): 15.4-19.1 against 22.2-25.7 at
-/// 3 tokens, 19.6-22.4 against 27.9-29.0 at 4, 20.4-22.0 against 24.2-24.6 at 5, and a tie
+/// streaming, the four layer matrices (an AVX2 Zen 3 EPYC): 15.4-19.1 against 24.4-25.7 at
+/// 3 tokens, 19.6-22.4 against 27.9-29.0 at 4, 20.4-22.0 against 24.2-24.5 at 5, and a tie
 /// at 6 (24.1-25.3 against 22.0-24.4). At 2 tokens, streaming 19.7 against panel 15.0.
 pub const MANY_FROM: usize = 6;
 /// Tokens per tile in [`rows`] from 3 tokens: one row at a time (its 4 dequantized registers),
