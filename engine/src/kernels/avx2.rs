@@ -44,6 +44,11 @@ pub trait Block {
     /// # Safety
     /// `p` must point at `BYTES` readable bytes; AVX2 and FMA must be available.
     unsafe fn load(p: *const u8) -> [__m256; 4];
+    /// Register `C` of [`Block::load`] alone (weights `8C..8C + 8`), the same bits.
+    ///
+    /// # Safety
+    /// As [`Block::load`].
+    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256;
 }
 
 /// Q4_1 with `d` and `m` widened to f32 (24-byte blocks): byte `j` holds weight `j` (low
@@ -76,6 +81,23 @@ impl Block for Q4_1Wide {
             ]
         }
     }
+
+    #[inline(always)]
+    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256 {
+        // SAFETY: per the trait contract (the block is 24 readable bytes).
+        unsafe {
+            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
+            let m = _mm256_set1_ps(p.add(4).cast::<f32>().read_unaligned());
+            // Registers 0 and 2 are bytes 0-7's low and high nibbles, 1 and 3 bytes 8-15's.
+            let q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8 + 8 * (C & 1)).cast()));
+            let q = if C < 2 {
+                _mm256_and_si256(q, _mm256_set1_epi32(0x0F))
+            } else {
+                _mm256_srli_epi32::<4>(q)
+            };
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m)
+        }
+    }
 }
 
 /// Q8_0 with `d` widened to f32 (36-byte blocks).
@@ -101,19 +123,31 @@ impl Block for Q8_0Wide {
             ]
         }
     }
+
+    #[inline(always)]
+    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256 {
+        // SAFETY: per the trait contract (the block is 36 readable bytes).
+        unsafe {
+            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
+            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(4 + 8 * C).cast()));
+            _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
+        }
+    }
 }
 
 /// From this many tokens [`rows_many`] (an f32 panel dequantized once) beats the streaming
 /// [`rows`]. Below it, from 3 tokens, [`rows`] dequantizes one row's block once for all of
 /// them ([`STREAM_TOKENS`]). Max GMAC/s of six alternated `--kernels` rounds, panel against
 /// streaming, the four layer matrices (an AVX2 Zen 3 EPYC): 15.4-19.1 against 24.4-25.7 at
-/// 3 tokens, 19.6-22.4 against 27.9-29.0 at 4, 20.4-22.0 against 24.2-24.5 at 5, and a tie
-/// at 6 (24.1-25.3 against 22.0-24.4). At 2 tokens, streaming 19.7 against panel 15.0.
+/// 3 tokens, 19.6-22.4 against 27.9-29.0 at 4, 20.4-22.0 against 24.2-24.5 at 5. At 2
+/// tokens, streaming 19.7 against panel 15.0. From 6 the panel wins, also against [`stream`]
+/// (one register dequantized at a time): 26.1-28.3 against 21.4-23.8 at 6 and 7, and
+/// [`stream`] at 8 tokens (16 accumulators) spills, 16-19.
 pub const MANY_FROM: usize = 6;
-/// Tokens per tile in [`rows`] from 3 tokens: one row at a time (its 4 dequantized registers),
-/// so up to 5 tokens' 10 accumulators fit beside the dequantizing's registers (the tokens are
-/// read from memory by the multiply-adds). Two rows of two tokens, as at 1 and 2 tokens,
-/// dequantize each row once per pair of tokens.
+/// Tokens per tile in [`rows`] from 3 tokens: one row at a time ([`stream`]), up to 5
+/// tokens' 10 accumulators beside the one dequantized register, the scale, offset and mask
+/// (the tokens are read from memory by the multiply-adds). Two rows of two tokens, as at 1
+/// and 2 tokens, dequantize each row once per pair of tokens.
 const STREAM_TOKENS: usize = 5;
 
 /// Rows dequantized at a time by [`rows_many`]: 15 rows (5 tiles) of up to 1,536 f32 (90 KiB)
@@ -183,6 +217,61 @@ unsafe fn tile<B: Block, const R: usize, const T: usize>(
     }
 }
 
+/// One row's tile over `T` tokens (3 to [`STREAM_TOKENS`]): `out[j * out_stride] = dot(row,
+/// token j)`. Each of the block's four registers is dequantized just before its multiply-adds
+/// ([`Block::quarter`]), so only one is live: [`tile`] with one row keeps all four, and at 5
+/// tokens its 10 accumulators, 4 weights, scale, offset and mask want 17 registers (the
+/// compiler spilled). Each accumulator takes the same products in the same order as in
+/// [`tile`] (lanes 0-7: weights 0-7 then 16-23; lanes 8-15: 8-15 then 24-31), so the bits
+/// are the same. Five alternated rounds on the Zen 3 EPYC, median GMAC/s of the four layer
+/// matrices at 5 tokens: 24.4-24.8 with [`tile`], 30.2-32.1 with this (batch-5 decode,
+/// `--decode-profile` at ctx 460: median 141.9 -> 162.0 tok/s); 3 and 4 tokens unchanged.
+///
+/// # Safety
+/// As [`tile`] with one row.
+#[inline(always)]
+unsafe fn stream<B: Block, const T: usize>(
+    row: *const u8,
+    xs: [*const f32; T],
+    blocks: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let ahead = super::PREFETCH_AHEAD * blocks * B::BYTES;
+    #[inline(always)]
+    unsafe fn quarter<B: Block, const C: usize, const T: usize>(
+        p: *const u8,
+        xs: &[*const f32; T],
+        at: usize,
+        acc: &mut [__m256; T],
+    ) {
+        // SAFETY: per `stream`'s contract (`at + 8 * C + 8 <= blocks * 32`).
+        unsafe {
+            let w = B::quarter::<C>(p);
+            for j in 0..T {
+                acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[j].add(at + 8 * C)), acc[j]);
+            }
+        }
+    }
+    // SAFETY: per the function contract.
+    unsafe {
+        let mut lo = [_mm256_setzero_ps(); T];
+        let mut hi = [_mm256_setzero_ps(); T];
+        for b in 0..blocks {
+            // As in `tile`: the row's block `ahead` bytes on, into L2 only.
+            _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(ahead + b * B::BYTES).cast());
+            let p = row.add(b * B::BYTES);
+            quarter::<B, 0, T>(p, &xs, b * 32, &mut lo);
+            quarter::<B, 1, T>(p, &xs, b * 32, &mut hi);
+            quarter::<B, 2, T>(p, &xs, b * 32, &mut lo);
+            quarter::<B, 3, T>(p, &xs, b * 32, &mut hi);
+        }
+        for j in 0..T {
+            *out.add(j * out_stride) = hsum(lo[j], hi[j]);
+        }
+    }
+}
+
 /// Rows per tile in [`rows`] for a single token. Four rows' dequantized blocks, their eight
 /// accumulators and the token's four registers left nothing for the scale, offset and mask:
 /// the compiler spilled the weights to the stack and reloaded them (14.2 against 11.9
@@ -239,12 +328,23 @@ pub unsafe fn rows<B: Block>(
                         )
                     };
                 }
+                macro_rules! stream {
+                    ($T:literal) => {
+                        stream::<B, $T>(
+                            row(r),
+                            std::array::from_fn(|j| tok(t + j)),
+                            blocks,
+                            o,
+                            out_stride,
+                        )
+                    };
+                }
                 match (tile_rows, group) {
                     (2, 2) => go!(2, 2),
                     (2, 1) => go!(2, 1),
-                    (1, 5) => go!(1, 5),
-                    (1, 4) => go!(1, 4),
-                    (1, 3) => go!(1, 3),
+                    (1, 5) => stream!(5),
+                    (1, 4) => stream!(4),
+                    (1, 3) => stream!(3),
                     (1, 2) => go!(1, 2),
                     _ => go!(1, 1),
                 }
