@@ -44,8 +44,8 @@ pub(crate) fn load_model(s: &ServingConfig) -> Result<Model, String> {
     }
     if !huge.shared {
         tracing::info!(
-            "a shared-memory KV pool is on 4 KB pages: \
-             /sys/kernel/mm/transparent_hugepage/shmem_enabled is not `advise`"
+            "a shared-memory KV pool is on 4 KB pages: /dev/shm is mounted without \
+             huge=within_size (mount -o remount,huge=within_size /dev/shm)"
         );
     }
     Model::open(&path).map_err(|e| format!("{}: {e}", path.display()))

@@ -11,7 +11,15 @@
 //! batch 4 after 512 tokens 134 -> 161.
 //!
 //! The advice is a hint: where the system's THP setting is `never` (or, for shared memory,
-//! `shmem_enabled` is `never`), the memory is the same, on 4 KB pages, and nothing fails.
+//! `/dev/shm` is mounted without `huge=`), the memory is the same, on 4 KB pages, and nothing
+//! fails.
+//!
+//! Files under `/dev/shm` (the shm transport's pools) follow the `huge=` option of that tmpfs
+//! mount, not `shmem_enabled`: that setting governs only the kernel's internal mount (memfds,
+//! SysV segments, shared anonymous maps), and reaches other mounts only as `force` or `deny`.
+//! A 64 MB file in `/dev/shm`, advised and touched (Linux 6.18): `ShmemPmdMapped` 0 with the
+//! mount's default whether `shmem_enabled` was `never` or `advise`, and all 64 MB with
+//! `huge=advise` or `huge=within_size` under either.
 
 use memmap2::{Advice, MmapMut};
 
@@ -76,10 +84,15 @@ pub fn advise_huge(map: &MmapMut) {
 pub struct HugePageSettings {
     /// `enabled` is `always` or `madvise`: the weights and a heap KV pool get huge pages.
     pub anonymous: bool,
-    /// `shmem_enabled` is `advise`, `always`, `within_size` or `force`: a KV pool in shared
-    /// memory (`/dev/shm`, the shm transport's) gets them too.
+    /// `/dev/shm` is mounted with `huge=advise`, `always` or `within_size` (or
+    /// `shmem_enabled` is `force`, and not `deny`): a KV pool in shared memory (the shm
+    /// transport's) gets them too. A mount without the option counts as off (the tmpfs
+    /// default).
     pub shared: bool,
 }
+
+/// Where the shm transport keeps its files.
+const SHM_DIR: &str = "/dev/shm";
 
 /// Reads the settings of this host.
 pub fn settings() -> HugePageSettings {
@@ -89,9 +102,39 @@ pub fn settings() -> HugePageSettings {
             .and_then(|s| selected(&s).map(str::to_owned))
     };
     let anonymous = read("enabled").is_some_and(|v| matches!(v.as_str(), "always" | "madvise"));
-    let shared = read("shmem_enabled")
-        .is_some_and(|v| matches!(v.as_str(), "always" | "within_size" | "advise" | "force"));
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let shared = shared_allowed(
+        read("shmem_enabled").as_deref(),
+        mount_huge(&mounts, SHM_DIR),
+    );
     HugePageSettings { anonymous, shared }
+}
+
+/// Whether files of a tmpfs mounted with `huge` (its `huge=` option) get huge pages when
+/// advised, under the global `shmem_enabled`.
+fn shared_allowed(shmem_enabled: Option<&str>, huge: Option<&str>) -> bool {
+    match shmem_enabled {
+        Some("force") => true,
+        Some("deny") => false,
+        _ => matches!(huge, Some("advise" | "always" | "within_size")),
+    }
+}
+
+/// The `huge=` option of the mount at `dir` in a mounts table (`/proc/self/mounts`: device,
+/// mount point, type, options, ...); the last such line is the mount on top. `None` where
+/// nothing is mounted there or the mount has no such option.
+fn mount_huge<'a>(mounts: &'a str, dir: &str) -> Option<&'a str> {
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let point = fields.nth(1)?;
+            let options = fields.nth(1)?;
+            (point == dir).then_some(options)
+        })
+        .next_back()?
+        .split(',')
+        .find_map(|o| o.strip_prefix("huge="))
 }
 
 /// The bracketed choice of a sysfs setting: `always [madvise] never` -> `madvise`.
@@ -138,5 +181,26 @@ mod tests {
         );
         assert_eq!(selected("no choice"), None);
         assert_eq!(selected("[unclosed"), None);
+    }
+
+    #[test]
+    fn the_shm_mount_decides_and_only_force_or_deny_overrides_it() {
+        let mounts = "devtmpfs /dev devtmpfs rw,relatime 0 0\n\
+                      tmpfs /dev/shm tmpfs rw,relatime,size=24683784k 0 0\n\
+                      tmpfs /run tmpfs rw,huge=always 0 0\n";
+        assert_eq!(mount_huge(mounts, "/dev/shm"), None);
+        assert_eq!(mount_huge(mounts, "/run"), Some("always"));
+        assert_eq!(mount_huge(mounts, "/nowhere"), None);
+        // Mounted over: the last line is the mount a path resolves to.
+        let over = format!("{mounts}tmpfs /dev/shm tmpfs rw,size=1g,huge=within_size 0 0\n");
+        assert_eq!(mount_huge(&over, "/dev/shm"), Some("within_size"));
+        assert_eq!(mount_huge("short line\n", "/dev/shm"), None);
+
+        assert!(!shared_allowed(Some("advise"), None));
+        assert!(!shared_allowed(Some("never"), Some("never")));
+        assert!(shared_allowed(Some("never"), Some("within_size")));
+        assert!(shared_allowed(None, Some("advise")));
+        assert!(shared_allowed(Some("force"), None));
+        assert!(!shared_allowed(Some("deny"), Some("always")));
     }
 }

@@ -76,8 +76,9 @@ pub(crate) fn map_shared(path: &Path, len: Option<usize>) -> std::io::Result<(Fi
     // only); its size is fixed by its creator before anyone else can open it.
     let map = unsafe { MmapMut::map_mut(&file) }?;
     // Decode's attention reads this pool a 6 KB block at a time all over it: huge pages where
-    // the system allows shared memory on them (`shmem_enabled` `advise` or `always`; the
-    // default `never` keeps 4 KB pages, and the advice changes nothing).
+    // the /dev/shm mount allows them (`huge=advise` or `within_size`; the tmpfs default keeps
+    // 4 KB pages, and the advice changes nothing; `duet_gpu::huge` says why not
+    // `shmem_enabled`).
     duet_gpu::huge::advise_huge(&map);
     Ok((file, map))
 }
