@@ -16,10 +16,12 @@ use std::cell::RefCell;
 use super::lines::Lines;
 
 mod attend;
+mod block;
 pub use attend::attend;
 #[cfg(test)]
 pub(crate) use attend::exp8;
 pub(crate) use attend::silu_mul;
+pub use block::{Block, Q4_1Wide, Q8_0Wide};
 
 /// The fixed tree over the 16 lanes `(lo, hi)`: pairs `(i, i + 8)`, then `(i, i + 4)`,
 /// `(i, i + 2)`, `(0, 1)`.
@@ -31,107 +33,6 @@ unsafe fn hsum(lo: __m256, hi: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
-    }
-}
-
-/// The weights of one block of one row as four 8-lane registers: weights 0-7, 8-15, 16-23,
-/// 24-31.
-pub trait Block {
-    /// Bytes per block.
-    const BYTES: usize;
-    /// Dequantizes the block at `p`.
-    ///
-    /// # Safety
-    /// `p` must point at `BYTES` readable bytes; AVX2 and FMA must be available.
-    unsafe fn load(p: *const u8) -> [__m256; 4];
-    /// Register `C` of [`Block::load`] alone (weights `8C..8C + 8`), the same bits.
-    ///
-    /// # Safety
-    /// As [`Block::load`].
-    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256;
-}
-
-/// Q4_1 with `d` and `m` widened to f32 (24-byte blocks): byte `j` holds weight `j` (low
-/// nibble) and weight `16 + j` (high nibble).
-pub struct Q4_1Wide;
-
-impl Block for Q4_1Wide {
-    const BYTES: usize = 24;
-
-    #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m256; 4] {
-        // SAFETY: per the trait contract (the block is 24 readable bytes).
-        unsafe {
-            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
-            let m = _mm256_set1_ps(p.add(4).cast::<f32>().read_unaligned());
-            let q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast()));
-            let q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(16).cast()));
-            let low = _mm256_set1_epi32(0x0F);
-            // No closures here: a closure is compiled without the caller's target features,
-            // and the intrinsics inside it stay calls (the debug build showed it).
-            let w0 = _mm256_cvtepi32_ps(_mm256_and_si256(q0, low));
-            let w1 = _mm256_cvtepi32_ps(_mm256_and_si256(q1, low));
-            let w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q0));
-            let w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q1));
-            [
-                _mm256_fmadd_ps(w0, d, m),
-                _mm256_fmadd_ps(w1, d, m),
-                _mm256_fmadd_ps(w2, d, m),
-                _mm256_fmadd_ps(w3, d, m),
-            ]
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256 {
-        // SAFETY: per the trait contract (the block is 24 readable bytes).
-        unsafe {
-            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
-            let m = _mm256_set1_ps(p.add(4).cast::<f32>().read_unaligned());
-            // Registers 0 and 2 are bytes 0-7's low and high nibbles, 1 and 3 bytes 8-15's.
-            let q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8 + 8 * (C & 1)).cast()));
-            let q = if C < 2 {
-                _mm256_and_si256(q, _mm256_set1_epi32(0x0F))
-            } else {
-                _mm256_srli_epi32::<4>(q)
-            };
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m)
-        }
-    }
-}
-
-/// Q8_0 with `d` widened to f32 (36-byte blocks).
-pub struct Q8_0Wide;
-
-impl Block for Q8_0Wide {
-    const BYTES: usize = 36;
-
-    #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m256; 4] {
-        // SAFETY: per the trait contract (the block is 36 readable bytes).
-        unsafe {
-            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
-            let q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(4).cast()));
-            let q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(12).cast()));
-            let q2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(20).cast()));
-            let q3 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(28).cast()));
-            [
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q0), d),
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q1), d),
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q2), d),
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q3), d),
-            ]
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn quarter<const C: usize>(p: *const u8) -> __m256 {
-        // SAFETY: per the trait contract (the block is 36 readable bytes).
-        unsafe {
-            let d = _mm256_set1_ps(p.cast::<f32>().read_unaligned());
-            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(4 + 8 * C).cast()));
-            _mm256_mul_ps(_mm256_cvtepi32_ps(q), d)
-        }
     }
 }
 
