@@ -91,8 +91,9 @@ pub struct HugePageSettings {
     pub shared: bool,
 }
 
-/// Where the shm transport keeps its files.
-const SHM_DIR: &str = "/dev/shm";
+/// Where the shm transport keeps its files (its pools, claim tables): the mount whose `huge=`
+/// option [`settings`] reads.
+pub const SHM_DIR: &str = "/dev/shm";
 
 /// Reads the settings of this host.
 pub fn settings() -> HugePageSettings {

@@ -56,7 +56,7 @@ impl std::fmt::Debug for ShmRegion {
 }
 
 pub(crate) fn shm_path(name: &str) -> PathBuf {
-    PathBuf::from("/dev/shm").join(format!("duet-{name}"))
+    PathBuf::from(duet_gpu::huge::SHM_DIR).join(format!("duet-{name}"))
 }
 
 /// Maps the shared-memory file at `path`: created with `len` zeroed bytes (`Some`: this
@@ -89,7 +89,7 @@ impl ShmRegion {
     /// A name whose pid is alive, or that does not follow the pattern, is left alone.
     pub fn remove_stale(prefix: &str) -> usize {
         let start = format!("duet-{prefix}-");
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        let Ok(dir) = std::fs::read_dir(duet_gpu::huge::SHM_DIR) else {
             return 0;
         };
         let mut removed = 0;
