@@ -17,8 +17,8 @@ use super::lines::Lines;
 
 mod attend;
 mod block;
+pub(crate) mod softmax;
 pub use attend::attend;
-#[cfg(test)]
 pub(crate) use attend::exp8;
 pub(crate) use attend::silu_mul;
 pub use block::{Block, Q4_1Wide, Q8_0Wide};

@@ -30,6 +30,7 @@ pub mod exp;
 mod lines;
 mod matmul;
 pub mod ops;
+pub mod softmax;
 
 pub use lines::Lines;
 pub use matmul::{
