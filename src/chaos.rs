@@ -261,6 +261,7 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
                 let ask = Ask {
                     prompt: prompts[i].clone(),
                     max_tokens,
+                    temperature: 0.0,
                     class: "chaos",
                     until: None,
                 };

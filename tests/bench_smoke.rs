@@ -111,12 +111,18 @@ async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
         "4",
         "--num-prompts",
         "7",
+        "--temperature",
+        "1",
         "--result-filename",
         path_str(&result),
     ])
     .await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(out.stdout.starts_with("7 requests in"), "{}", out.stdout);
+    assert!(
+        out.stdout.starts_with("7 requests in") && out.stdout.contains("(0 failed)"),
+        "{}",
+        out.stdout
+    );
     let v: Value =
         serde_json::from_str(&std::fs::read_to_string(&result).expect("result")).expect("JSON");
     assert_eq!(v["requests"].as_array().map(Vec::len), Some(7), "{v}");
@@ -144,6 +150,27 @@ async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
     assert!(rows[1].trim_start().starts_with("8.00"), "{}", out.stdout);
     let png = std::fs::read(plots.join("sweep.png")).expect("sweep.png");
     assert!(png.starts_with(b"\x89PNG"), "not a PNG");
+    // The temperature reaches every request: out of OpenAI's range, the router refuses each.
+    let out = duet(&[
+        "bench",
+        "--url",
+        &url,
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        "24",
+        "--output-len",
+        "4",
+        "--temperature",
+        "2.5",
+    ])
+    .await;
+    assert!(
+        out.stdout.contains("(2 failed)"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
     let bad = duet(&["bench", "--url", &url, "--request-rate", "0"]).await;
     assert!(!bad.status.success());
     assert!(

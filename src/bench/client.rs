@@ -19,6 +19,8 @@ pub struct Ask {
     pub prompt: Vec<u32>,
     /// Tokens to generate (EOS is ignored so the length is exact).
     pub max_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    pub temperature: f32,
     /// Workload class, carried into the record.
     pub class: &'static str,
     /// Stop reading at this instant and keep what arrived (closing the connection cancels the
@@ -114,7 +116,7 @@ async fn run(
         "model": served_model(addr).await?,
         "prompt": ask.prompt,
         "max_tokens": ask.max_tokens,
-        "temperature": 0,
+        "temperature": ask.temperature,
         "ignore_eos": true,
         "stream": true,
     })

@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// the curve into `sweep.png`.
     #[arg(long, value_delimiter = ',')]
     pub sweep: Vec<f64>,
+    /// Sampling temperature of every request (0: greedy; 1 is what an OpenAI client that sets
+    /// none gets). Also as `vllm bench serve` names it.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
     /// Seed of the arrivals, lengths and prompts.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -359,6 +363,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
                 let ask = Ask {
                     prompt: prompts.draw(&mut rng, n),
                     max_tokens: args.output_len.draw(&mut rng),
+                    temperature: args.temperature,
                     class: "load",
                     until: None,
                 };
@@ -375,10 +380,11 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
         _ => {
             for w in 0..args.concurrency.max(1) {
                 let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(w as u64));
-                let (records, prompt_len, output_len, prompts, left) = (
+                let (records, prompt_len, output_len, temperature, prompts, left) = (
                     records.clone(),
                     args.prompt_len,
                     args.output_len,
+                    args.temperature,
                     prompts.clone(),
                     left.clone(),
                 );
@@ -388,6 +394,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
                         let ask = Ask {
                             prompt: prompts.draw(&mut rng, n),
                             max_tokens: output_len.draw(&mut rng),
+                            temperature,
                             class: "load",
                             until: None,
                         };
