@@ -306,8 +306,16 @@ impl Sampler {
         let row = (top_k == 0).then(|| softmax::exp_sum(x, max));
         let mut depth = 8.0;
         let (cands, probs) = loop {
+            let mut cands = if top_k > 0 && top_k <= TOP_N_UP_TO {
+                // The k directly, one pass: the window's depth does not matter then.
+                depth = f32::INFINITY;
+                let mut k = softmax::top_n(x, top_k);
+                k.retain(|(_, v)| *v > f32::NEG_INFINITY);
+                k.into_iter().map(|(i, v)| (i as usize, v)).collect()
+            } else {
+                within(depth)
+            };
             let whole = depth == f32::INFINITY;
-            let mut cands = within(depth);
             let deeper = if depth < 32.0 { 32.0 } else { f32::INFINITY };
             if top_k > 0 && cands.len() < top_k && !whole {
                 // Fewer than k this close to the max: the k reach deeper.
@@ -363,6 +371,10 @@ fn nucleus(probs: &[f64], total: f64, top_p: f64) -> Option<usize> {
     None
 }
 
+/// The largest top-k found by one pass keeping the k ([`softmax::top_n`], insertion into k);
+/// a larger one sorts a window.
+const TOP_N_UP_TO: usize = 256;
+
 thread_local! {
     /// A row's scratch for [`Sampler::choose`], one per thread that samples rather than one
     /// per sequence (196 KB for SmolLM2's vocabulary; allocated per token it was an `mmap`
@@ -402,22 +414,12 @@ impl LogSoftmax {
 
     /// The `n` likeliest tokens of `logits` and their log-softmax, likeliest first, ties by
     /// lower id (as OpenAI reports them: the model's raw distribution, before penalties,
-    /// temperature and truncation). One pass keeping the best `n`; NaN never counts.
+    /// temperature and truncation); NaN never counts ([`softmax::top_n`]).
     pub fn top(&self, logits: &[f32], n: usize) -> TopLogprobs {
         if n == 0 {
             return Vec::new();
         }
-        let n = n.min(MAX_TOP_LOGPROBS);
-        // Kept sorted, best first; n is at most 20, so insertion beats a heap.
-        let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
-        for (i, &l) in logits.iter().enumerate() {
-            if l.is_nan() || (best.len() == n && l <= best[n - 1].1) {
-                continue;
-            }
-            let at = best.partition_point(|&(_, b)| b >= l);
-            best.insert(at, (i as u32, l));
-            best.truncate(n);
-        }
+        let best = softmax::top_n(logits, n.min(MAX_TOP_LOGPROBS));
         best.into_iter()
             .map(|(t, l)| (t, self.of_logit(l)))
             .collect()
