@@ -261,8 +261,9 @@ impl Sampler {
                 return argmax(logits, None);
             }
             if max == f32::INFINITY {
-                // A finite logit overflowed under a tiny temperature: it dominates.
-                return argmax(x, None);
+                // A finite logit overflowed under a tiny temperature: in that limit sampling
+                // is greedy (the first +inf of the scaled row need not be the largest logit).
+                return argmax(logits, banned);
             }
             if self.params.top_k > 0 || self.params.top_p < 1.0 {
                 return self.truncated(x, max);
@@ -643,6 +644,20 @@ mod tests {
                 "token {t}: {share} against {p}"
             );
         }
+    }
+
+    #[test]
+    fn a_temperature_that_overflows_the_logits_is_greedy() {
+        let mut logits = vec![1.0f32; 30];
+        logits[20] = 2.5;
+        logits[25] = 2.0;
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1e-39,
+            seed: Some(5),
+            ..SamplingParams::default()
+        });
+        assert_eq!(s.sample(&logits, None, &[]).token, 20);
+        assert_eq!(s.sample(&logits, Some(20), &[]).token, 25);
     }
 
     #[test]

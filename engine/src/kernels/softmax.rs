@@ -162,6 +162,18 @@ mod tests {
         }
     }
 
+    /// `x` with its indices, NaN left out, largest first, ties by lower index.
+    fn sorted(x: &[f32]) -> Vec<(u32, f32)> {
+        let mut s: Vec<(u32, f32)> = x
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .map(|(i, v)| (i as u32, *v))
+            .collect();
+        s.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        s
+    }
+
     #[test]
     fn top_n_is_the_sort_s_prefix() {
         let mut x = row(4099);
@@ -169,26 +181,11 @@ mod tests {
         for i in [40, 41, 900, 4098] {
             x[i] = 19.5;
         }
-        let mut sorted: Vec<(u32, f32)> = x
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| !v.is_nan())
-            .map(|(i, v)| (i as u32, *v))
-            .collect();
-        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let all = sorted(&x);
         for n in [0, 1, 3, 20, 64, 300] {
-            assert_eq!(top_n(&x, n), sorted[..n].to_vec(), "n {n}");
+            assert_eq!(top_n(&x, n), all[..n].to_vec(), "n {n}");
         }
-        assert_eq!(top_n(&x[..5], 20), {
-            let mut s: Vec<(u32, f32)> = x[..5]
-                .iter()
-                .enumerate()
-                .filter(|(_, v)| !v.is_nan())
-                .map(|(i, v)| (i as u32, *v))
-                .collect();
-            s.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            s
-        });
+        assert_eq!(top_n(&x[..5], 20), sorted(&x[..5]));
     }
 
     #[test]
