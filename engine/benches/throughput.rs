@@ -589,32 +589,39 @@ fn sampling(path: &std::path::Path) {
         step * 1e6,
         logits.len()
     );
-    let cases: [(&str, f32, f32, usize, usize); 5] = [
-        ("greedy", 0.0, 1.0, 0, 0),
-        ("temperature 1", 1.0, 1.0, 0, 0),
-        ("temperature 0.7, top_p 0.9", 0.7, 0.9, 0, 0),
-        ("temperature 0.8, top_k 40", 0.8, 1.0, 40, 0),
-        ("greedy, top_logprobs 5", 0.0, 1.0, 0, 5),
+    let cases: [(&str, f32, f32, usize, usize, f32); 6] = [
+        ("greedy", 0.0, 1.0, 0, 0, 0.0),
+        ("temperature 1", 1.0, 1.0, 0, 0, 0.0),
+        ("temperature 0.7, top_p 0.9", 0.7, 0.9, 0, 0, 0.0),
+        ("temperature 0.8, top_k 40", 0.8, 1.0, 40, 0, 0.0),
+        ("greedy, top_logprobs 5", 0.0, 1.0, 0, 5, 0.0),
+        ("temperature 1, penalties, 256 made", 1.0, 1.0, 0, 0, 0.5),
     ];
-    for (name, temperature, top_p, top_k, top_logprobs) in cases {
+    // The tokens a sequence has generated, for the penalties' case.
+    let generated: Vec<u32> = (0..256u32).map(|i| i * 97 % 5000).collect();
+    for (name, temperature, top_p, top_k, top_logprobs, penalty) in cases {
         let mut s = Sampler::new(duet_engine::SamplingParams {
             temperature,
             top_p,
             top_k,
             seed: Some(7),
             top_logprobs,
+            penalties: duet_engine::sampling::Penalties {
+                presence: penalty,
+                frequency: penalty,
+            },
             ..Default::default()
         });
         let mut best = f64::MAX;
         for _ in 0..3 {
             let t = Instant::now();
             for _ in 0..reps {
-                std::hint::black_box(s.sample(&logits, None, &[]));
+                std::hint::black_box(s.sample(&logits, None, &generated));
             }
             best = best.min(t.elapsed().as_secs_f64() / reps as f64);
         }
         println!(
-            "sample {name:<28}: {:>7.1} us per token = {:.3} of a batch-1 step",
+            "sample {name:<34}: {:>7.1} us per token = {:.3} of a batch-1 step",
             best * 1e6,
             best / step
         );
