@@ -261,7 +261,7 @@ async fn chaos(args: &ChaosArgs) -> Result<serde_json::Value, String> {
                 let ask = Ask {
                     prompt: prompts[i].clone(),
                     max_tokens,
-                    temperature: 0.0,
+                    sampling: Default::default(),
                     class: "chaos",
                     until: None,
                 };

@@ -571,7 +571,7 @@ async fn measure_request_cost(args: &SimArgs, mut cost: CostModel) -> Result<Exi
             let ask = crate::bench::client::Ask {
                 prompt: (0..128).map(|t| 20 + (t * 31 + i * 7) % 230).collect(),
                 max_tokens: 2,
-                temperature: 0.0,
+                sampling: Default::default(),
                 class: "calibrate",
                 until: None,
             };

@@ -113,6 +113,8 @@ async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
         "7",
         "--temperature",
         "1",
+        "--top-p",
+        "0.9",
         "--result-filename",
         path_str(&result),
     ])
@@ -163,6 +165,29 @@ async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
         "4",
         "--temperature",
         "2.5",
+    ])
+    .await;
+    assert!(
+        out.stdout.contains("(2 failed)"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    // And so does top_p (0 is out of OpenAI's range).
+    let out = duet(&[
+        "bench",
+        "--url",
+        &url,
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        "24",
+        "--output-len",
+        "4",
+        "--temperature",
+        "1",
+        "--top-p",
+        "0",
     ])
     .await;
     assert!(

@@ -12,6 +12,24 @@ use serde_json::{Value, json};
 
 use super::stats::RequestRecord;
 
+/// How a request samples (`duet bench --temperature`, `--top-p`); greedy by default.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Nucleus (1: off).
+    pub top_p: f32,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+        }
+    }
+}
+
 /// What to send.
 #[derive(Debug, Clone)]
 pub struct Ask {
@@ -19,8 +37,8 @@ pub struct Ask {
     pub prompt: Vec<u32>,
     /// Tokens to generate (EOS is ignored so the length is exact).
     pub max_tokens: usize,
-    /// Sampling temperature (0: greedy).
-    pub temperature: f32,
+    /// How it samples.
+    pub sampling: Sampling,
     /// Workload class, carried into the record.
     pub class: &'static str,
     /// Stop reading at this instant and keep what arrived (closing the connection cancels the
@@ -116,7 +134,8 @@ async fn run(
         "model": served_model(addr).await?,
         "prompt": ask.prompt,
         "max_tokens": ask.max_tokens,
-        "temperature": ask.temperature,
+        "temperature": ask.sampling.temperature,
+        "top_p": ask.sampling.top_p,
         "ignore_eos": true,
         "stream": true,
     })

@@ -394,7 +394,7 @@ async fn workload(addr: std::net::SocketAddr, p: &Params) -> (Vec<RequestRecord>
                 let ask = Ask {
                     prompt: prompt(&mut rng, p.steady_prompt),
                     max_tokens: p.steady_output,
-                    temperature: 0.0,
+                    sampling: Default::default(),
                     class: "steady",
                     until: Some(end),
                 };
@@ -411,7 +411,7 @@ async fn workload(addr: std::net::SocketAddr, p: &Params) -> (Vec<RequestRecord>
         let ask = Ask {
             prompt: prompt(&mut rng, p.long_prompt),
             max_tokens: p.long_output,
-            temperature: 0.0,
+            sampling: Default::default(),
             class: "long",
             until: None,
         };

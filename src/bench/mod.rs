@@ -105,6 +105,9 @@ pub struct BenchArgs {
     /// none gets). Also as `vllm bench serve` names it.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling of every request (1: off). Also as `vllm bench serve` names it.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Seed of the arrivals, lengths and prompts.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -140,6 +143,16 @@ pub struct BenchArgs {
     /// Tokens of each shared system prompt.
     #[arg(long, default_value_t = 512)]
     pub prefix_len: usize,
+}
+
+impl BenchArgs {
+    /// How the load's requests sample.
+    fn sampling(&self) -> client::Sampling {
+        client::Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+        }
+    }
 }
 
 /// The prompts of a run: random tokens, after one of the shared system prompts if any.
@@ -363,7 +376,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
                 let ask = Ask {
                     prompt: prompts.draw(&mut rng, n),
                     max_tokens: args.output_len.draw(&mut rng),
-                    temperature: args.temperature,
+                    sampling: args.sampling(),
                     class: "load",
                     until: None,
                 };
@@ -380,11 +393,11 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
         _ => {
             for w in 0..args.concurrency.max(1) {
                 let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(w as u64));
-                let (records, prompt_len, output_len, temperature, prompts, left) = (
+                let (records, prompt_len, output_len, sampling, prompts, left) = (
                     records.clone(),
                     args.prompt_len,
                     args.output_len,
-                    args.temperature,
+                    args.sampling(),
                     prompts.clone(),
                     left.clone(),
                 );
@@ -394,7 +407,7 @@ async fn load(addr: SocketAddr, args: &BenchArgs, rate: Option<f64>) -> (Vec<Req
                         let ask = Ask {
                             prompt: prompts.draw(&mut rng, n),
                             max_tokens: output_len.draw(&mut rng),
-                            temperature,
+                            sampling,
                             class: "load",
                             until: None,
                         };
