@@ -152,50 +152,32 @@ async fn vllm_flag_names_num_prompts_and_a_rate_sweep() {
     assert!(rows[1].trim_start().starts_with("8.00"), "{}", out.stdout);
     let png = std::fs::read(plots.join("sweep.png")).expect("sweep.png");
     assert!(png.starts_with(b"\x89PNG"), "not a PNG");
-    // The temperature reaches every request: out of OpenAI's range, the router refuses each.
-    let out = duet(&[
-        "bench",
-        "--url",
-        &url,
-        "--num-prompts",
-        "2",
-        "--prompt-len",
-        "24",
-        "--output-len",
-        "4",
-        "--temperature",
-        "2.5",
-    ])
-    .await;
-    assert!(
-        out.stdout.contains("(2 failed)"),
-        "{}\n{}",
-        out.stdout,
-        out.stderr
-    );
-    // And so does top_p (0 is out of OpenAI's range).
-    let out = duet(&[
-        "bench",
-        "--url",
-        &url,
-        "--num-prompts",
-        "2",
-        "--prompt-len",
-        "24",
-        "--output-len",
-        "4",
-        "--temperature",
-        "1",
-        "--top-p",
-        "0",
-    ])
-    .await;
-    assert!(
-        out.stdout.contains("(2 failed)"),
-        "{}\n{}",
-        out.stdout,
-        out.stderr
-    );
+    // The sampling flags reach every request: out of OpenAI's ranges (a temperature of 2.5, a
+    // top_p of 0), the router refuses each of the two.
+    for sampling in [
+        &["--temperature", "2.5"][..],
+        &["--temperature", "1", "--top-p", "0"],
+    ] {
+        let mut args = vec![
+            "bench",
+            "--url",
+            &url,
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "24",
+            "--output-len",
+            "4",
+        ];
+        args.extend_from_slice(sampling);
+        let out = duet(&args).await;
+        assert!(
+            out.stdout.contains("(2 failed)"),
+            "{sampling:?}: {}\n{}",
+            out.stdout,
+            out.stderr
+        );
+    }
     let bad = duet(&["bench", "--url", &url, "--request-rate", "0"]).await;
     assert!(!bad.status.success());
     assert!(

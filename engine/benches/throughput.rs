@@ -9,6 +9,9 @@ use duet_engine::{Engine, EngineOptions, Model, SeqChunk};
 use duet_fetch as fetch;
 use duet_gpu::KvDtype;
 
+#[path = "throughput/sampling.rs"]
+mod sampling;
+
 fn main() {
     let path = std::env::var_os(fetch::MODEL_ENV)
         .map(std::path::PathBuf::from)
@@ -34,7 +37,10 @@ fn main() {
         return;
     }
     if args.iter().any(|a| a == "--sampling") {
-        sampling(&path);
+        if let Err(e) = sampling::run(&path) {
+            eprintln!("throughput --sampling: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     if args.iter().any(|a| a == "--kernels") {
@@ -545,85 +551,6 @@ fn attention_kernel(model: &Model) {
             per_step * 1e6,
             per_step / units * 1e9,
             bytes / per_step / 1e9
-        );
-    }
-}
-
-/// What sampling one token costs against the decode step it follows: the real model's logits
-/// after a prompt, sampled with greedy, the OpenAI default (temperature 1), nucleus and top-k
-/// settings, each `SAMPLE_REPS` times (default 200); and one batch-1 decode step of the same
-/// engine, so the cost reads as a fraction of a step. A worker samples every sequence of a
-/// step on its engine thread after the step, so at batch B a step pays B of these.
-fn sampling(path: &std::path::Path) {
-    use duet_engine::sampling::Sampler;
-    let model = Model::open(path).expect("model");
-    let prompt = model
-        .tokenizer
-        .encode("The capital of France is Paris. The capital of Italy is");
-    let mut e = Engine::new(model, EngineOptions::default()).expect("engine");
-    let pages = e.pool.alloc.alloc(8).expect("pages");
-    fn chunk<'a>(tokens: &'a [u32], start_pos: usize, pages: &'a [u32]) -> SeqChunk<'a> {
-        SeqChunk {
-            tokens,
-            start_pos,
-            pages,
-            want_logits: true,
-        }
-    }
-    let logits = e.step(&[chunk(&prompt, 0, &pages)]).expect("prompt")[0]
-        .clone()
-        .expect("logits");
-    let reps: usize = std::env::var("SAMPLE_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200);
-    let mut step = f64::MAX;
-    for i in 0..5 {
-        let t = Instant::now();
-        e.step(&[chunk(&prompt[..1], prompt.len() + i, &pages)])
-            .expect("step");
-        step = step.min(t.elapsed().as_secs_f64());
-    }
-    println!(
-        "decode step, batch 1: {:.0} us (vocab {})",
-        step * 1e6,
-        logits.len()
-    );
-    let cases: [(&str, f32, f32, usize, usize, f32); 6] = [
-        ("greedy", 0.0, 1.0, 0, 0, 0.0),
-        ("temperature 1", 1.0, 1.0, 0, 0, 0.0),
-        ("temperature 0.7, top_p 0.9", 0.7, 0.9, 0, 0, 0.0),
-        ("temperature 0.8, top_k 40", 0.8, 1.0, 40, 0, 0.0),
-        ("greedy, top_logprobs 5", 0.0, 1.0, 0, 5, 0.0),
-        ("temperature 1, penalties, 256 made", 1.0, 1.0, 0, 0, 0.5),
-    ];
-    // The tokens a sequence has generated, for the penalties' case.
-    let generated: Vec<u32> = (0..256u32).map(|i| i * 97 % 5000).collect();
-    for (name, temperature, top_p, top_k, top_logprobs, penalty) in cases {
-        let mut s = Sampler::new(duet_engine::SamplingParams {
-            temperature,
-            top_p,
-            top_k,
-            seed: Some(7),
-            top_logprobs,
-            penalties: duet_engine::sampling::Penalties {
-                presence: penalty,
-                frequency: penalty,
-            },
-            ..Default::default()
-        });
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            for _ in 0..reps {
-                std::hint::black_box(s.sample(&logits, None, &generated));
-            }
-            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-        }
-        println!(
-            "sample {name:<34}: {:>7.1} us per token = {:.3} of a batch-1 step",
-            best * 1e6,
-            best / step
         );
     }
 }

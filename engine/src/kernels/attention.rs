@@ -306,10 +306,7 @@ pub(super) fn sums_in_position_order(rows: &[f32], len: usize, sums: &mut [f32])
     let mut r = 0;
     while r < sums.len() {
         let (rows, sums) = (&rows[r * len..], &mut sums[r..]);
-        let n = match sums.len() {
-            n @ 0..=12 => n,
-            _ => 8,
-        };
+        let n = if sums.len() <= 12 { sums.len() } else { 8 };
         match n {
             1 => block::<1>(rows, len, sums),
             2 => block::<2>(rows, len, sums),

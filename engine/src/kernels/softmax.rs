@@ -30,26 +30,18 @@ pub fn exp_sum(x: &[f32], max: f32) -> f64 {
     sum_scalar(x, |v| super::exp::exp(v - max))
 }
 
-/// `Σ x[i]` in f64, in [`LANES`] partial sums (the order of [`exp_sum`]).
-pub fn sum(x: &[f32]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if super::isa() != super::Isa::Portable {
-        // SAFETY: every level but Portable detected AVX2 and FMA.
-        return unsafe { super::avx2::softmax::sum(x) };
-    }
-    sum_scalar(x, |v| v)
-}
-
-/// `x[i] = e^(x[i] - max)`, in place ([`super::exp::exp`]'s bits).
-pub fn exp_shifted(x: &mut [f32], max: f32) {
+/// `x[i] = e^(x[i] - max)`, in place ([`super::exp::exp`]'s bits), and their sum: what
+/// [`exp_sum`] gives, bit for bit, in the same pass.
+pub fn exp_shifted(x: &mut [f32], max: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if super::isa() != super::Isa::Portable {
         // SAFETY: every level but Portable detected AVX2 and FMA.
         return unsafe { super::avx2::softmax::exp_shifted(x, max) };
     }
-    for v in x {
+    for v in x.iter_mut() {
         *v = super::exp::exp(*v - max);
     }
+    sum_scalar(x, |v| v)
 }
 
 /// The `n` largest of `x` with their indices, largest first, ties by lower index, NaN never
@@ -104,8 +96,8 @@ pub(crate) fn lanes_total(lanes: &[f64; LANES]) -> f64 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// The sums of [`exp_sum`] and [`sum`] one element at a time: `f` of each element into lane
-/// `i % LANES`, the lanes' tree, then the tail in order.
+/// The sums of [`exp_sum`] and [`exp_shifted`] one element at a time: `f` of each element into
+/// lane `i % LANES`, the lanes' tree, then the tail in order.
 fn sum_scalar(x: &[f32], f: impl Fn(f32) -> f32) -> f64 {
     let n = x.len() / LANES * LANES;
     let mut lanes = [0f64; LANES];
@@ -147,18 +139,14 @@ mod tests {
             let s = sum_scalar(&x, |v| crate::kernels::exp::exp(v - m));
             assert_eq!(exp_sum(&x, m).to_bits(), s.to_bits(), "exp_sum, {n}");
             let mut e = x.clone();
-            exp_shifted(&mut e, m);
+            let total = exp_shifted(&mut e, m);
             for (i, (a, v)) in e.iter().zip(&x).enumerate() {
                 let want = crate::kernels::exp::exp(v - m);
                 assert_eq!(a.to_bits(), want.to_bits(), "exp_shifted, {n}, element {i}");
             }
             let t = sum_scalar(&e, |v| v);
-            assert_eq!(sum(&e).to_bits(), t.to_bits(), "sum, {n}");
-            assert_eq!(
-                exp_sum(&x, m).to_bits(),
-                sum(&e).to_bits(),
-                "one order, {n}"
-            );
+            assert_eq!(total.to_bits(), t.to_bits(), "exp_shifted's sum, {n}");
+            assert_eq!(exp_sum(&x, m).to_bits(), total.to_bits(), "one order, {n}");
         }
     }
 

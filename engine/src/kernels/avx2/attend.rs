@@ -85,37 +85,17 @@ pub unsafe fn attend<E: KvElem>(
 }
 
 /// `s[j] = exp(s[j] - max)`, eight at a time (the portable kernel's operations: `exp::exp`'s
-/// on every lane). The max in any order is the same value but for the sign of a zero, which
-/// no difference `s[j] - max` shows; NaN scores are skipped as `f32::max` skips them
-/// (`vmaxps` returns its second operand when one is NaN).
+/// on every lane): the sampler's max and exponentials (`softmax.rs`). The max in any order
+/// is the same value but for the sign of a zero, which no difference `s[j] - max` shows; NaN
+/// scores are skipped as `f32::max` skips them. The f64 sum they also make goes unused here
+/// (the softmax's sum runs in position order, `attention::sums_in_position_order`), and the
+/// compiler drops it.
 #[inline(always)]
 unsafe fn numerators(s: &mut [f32]) {
-    let n = s.len() / 8 * 8;
-    // SAFETY: `j + 8 <= n <= s.len()`; AVX2 and FMA are enabled by the caller.
+    // SAFETY: `s` is `s.len()` elements; AVX2 and FMA are enabled by the caller.
     unsafe {
-        let p = s.as_mut_ptr();
-        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-        let mut j = 0;
-        while j < n {
-            m = _mm256_max_ps(_mm256_loadu_ps(p.add(j)), m);
-            j += 8;
-        }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        let max = lanes
-            .iter()
-            .chain(&s[n..])
-            .copied()
-            .fold(f32::NEG_INFINITY, f32::max);
-        let m = _mm256_set1_ps(max);
-        let mut j = 0;
-        while j < n {
-            _mm256_storeu_ps(p.add(j), exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), m)));
-            j += 8;
-        }
-        for v in &mut s[n..] {
-            *v = exp::exp(*v - max);
-        }
+        let max = super::softmax::max_in(s);
+        super::softmax::exp_in(s.as_ptr(), Some(s.as_mut_ptr()), s.len(), max);
     }
 }
 
