@@ -441,19 +441,22 @@ mod tests {
     fn pages_of_sixteen_take_the_eight_position_trees_and_their_tails() {
         // Pages wider than 8 positions: the AVX2 scores reduce eight positions' trees at
         // once, then the page's tail one by one; every span length from 1 to 16 occurs.
-        let shape = AttnShape {
-            n_heads: 6,
-            n_kv_heads: 2,
-            head_dim: 64,
-        };
-        for dtype in [KvDtype::F32, KvDtype::F16] {
-            paged_attention_case_paged(
-                dtype,
-                shape,
-                16 * 3 + 11,
-                16,
-                &[7, 8, 9, 15, 16, 23, 31, 40, 58],
-            );
+        // Groups of 1 to 4 and 7 query heads: every block width of the tiles (1 to 4 heads).
+        for n_heads in [2, 4, 6, 8, 14] {
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads: 2,
+                head_dim: 64,
+            };
+            for dtype in [KvDtype::F32, KvDtype::F16] {
+                paged_attention_case_paged(
+                    dtype,
+                    shape,
+                    16 * 3 + 11,
+                    16,
+                    &[7, 8, 9, 15, 16, 23, 31, 40, 58],
+                );
+            }
         }
     }
 
