@@ -1,5 +1,7 @@
 //! The colocated scheduler and the prefix cache on the tiny model.
 
+mod common;
+
 use duet_engine::gguf::Gguf;
 use duet_engine::sampling::FinishReason;
 use duet_engine::scheduler::SeqEvent;
@@ -139,6 +141,81 @@ fn stop_conditions_and_aborts() {
     assert_eq!(r.engine.pool.alloc.stats().free, 64);
     // A prompt that cannot fit the context is refused up front.
     assert!(r.submit(4, prompt(500, 1), greedy(100)).is_err());
+}
+
+/// A stop string that appears only before `min_tokens` never ends the stream (vLLM's rule):
+/// the stream runs to its length. Each token's stop check searches only its own text and a
+/// stop string's length back, so an earlier match is not found again once `min_tokens` is
+/// reached (the whole-text search had ended the stream there). The real model: the tiny
+/// one's text is one token over and over.
+#[test]
+fn a_stop_string_before_min_tokens_does_not_end_the_stream_later() {
+    let model = Model::open(&common::model_path()).expect("model");
+    let engine = Engine::new(
+        model,
+        EngineOptions {
+            kv_dtype: KvDtype::F16,
+            page_size: 16,
+            kv_pages: 8,
+            threads: 1,
+            ..EngineOptions::default()
+        },
+    )
+    .expect("engine");
+    let mut r = Runner::new(engine, 64, 2);
+    let ids = r.engine.model.tokenizer.encode("The capital of France is");
+    r.submit(1, ids.clone(), greedy(16)).expect("submit");
+    let events = r.run_to_completion().expect("run");
+    let pieces: Vec<&str> = events.iter().map(|e| e.text.as_str()).collect();
+    let text: String = pieces.concat();
+    let (early, late) = (pieces[..3].concat(), pieces[3..].concat());
+    // The shortest piece of the first three tokens' text found nowhere after them.
+    let bounds: Vec<usize> = (0..=early.len())
+        .filter(|i| early.is_char_boundary(*i))
+        .collect();
+    let mut candidates: Vec<&str> = Vec::new();
+    for (a, i) in bounds.iter().enumerate() {
+        for j in &bounds[a + 1..] {
+            candidates.push(&early[*i..*j]);
+        }
+    }
+    let stop = candidates
+        .into_iter()
+        .filter(|s| text.matches(*s).count() == 1 && !late.contains(*s))
+        .min_by_key(|s| s.len())
+        .map(str::to_string);
+    let Some(stop) = stop else {
+        panic!("no piece of {early:?} is absent from the rest of {text:?}");
+    };
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        min_tokens: 8,
+        ..greedy(16)
+    };
+    r.submit(2, ids.clone(), params).expect("submit");
+    let got = r.run_to_completion().expect("run");
+    assert_eq!(got.len(), 16, "{stop:?} before min_tokens ended the stream");
+    assert_eq!(
+        got.last().and_then(|e| e.finish),
+        Some(FinishReason::Length)
+    );
+    assert_eq!(
+        got.iter().map(|e| e.text.as_str()).collect::<String>(),
+        text
+    );
+    // Without min_tokens the same string ends the stream in its first three tokens.
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        ..greedy(16)
+    };
+    r.submit(3, ids, params).expect("submit");
+    let got = r.run_to_completion().expect("run");
+    assert_eq!(got.last().and_then(|e| e.finish), Some(FinishReason::Stop));
+    assert!(
+        got.len() <= 3,
+        "{stop:?} ended the stream at token {}",
+        got.len()
+    );
 }
 
 /// A stream cut after `cut` tokens and resumed from prompt + those tokens (migration) gives

@@ -80,5 +80,41 @@ pub fn run(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
             best / step
         );
     }
+    stop_strings(step);
     Ok(())
+}
+
+/// A token's stop-string check late in a long output: four stop strings a chat client might
+/// send, none in the text, after 1,000 to 16,000 tokens of English (4 bytes a token); the
+/// search of the whole text each token (what the scheduler did) against the search of the
+/// token's own text and a stop string's length back (`find_stop_after`, what it does).
+fn stop_strings(step: f64) {
+    use duet_engine::sampling::{find_stop, find_stop_after};
+    let stops: Vec<String> = ["\n\nUser:", "</s>", "###", "Observation:"]
+        .map(String::from)
+        .to_vec();
+    let sentence = "The capital of France is Paris, and the capital of Italy is Rome. ";
+    for tokens in [1_000, 4_000, 16_000] {
+        let text = sentence.repeat(tokens * 4 / sentence.len());
+        let new = text.len() - 4;
+        let time = |f: &dyn Fn() -> Option<usize>| {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..200 {
+                    std::hint::black_box(f());
+                }
+                best = best.min(t.elapsed().as_secs_f64() / 200.0);
+            }
+            best
+        };
+        let whole = time(&|| find_stop(std::hint::black_box(&text), &stops));
+        let tail = time(&|| find_stop_after(std::hint::black_box(&text), &stops, new));
+        println!(
+            "stop strings after {tokens:>6} tokens: whole text {:>7.2} us = {:.4} of a batch-1 step, own text {:>5.3} us",
+            whole * 1e6,
+            whole / step,
+            tail * 1e6
+        );
+    }
 }

@@ -6,7 +6,7 @@ use duet_gpu::{PageAllocator, PoolError};
 
 use super::{Plan, Scheduler, SeqEvent, SeqId};
 use crate::prefix_cache::PrefixCache;
-use crate::sampling::{FinishReason, Sampled, find_stop};
+use crate::sampling::{FinishReason, Sampled, find_stop_after};
 use crate::tokenizer::Tokenizer;
 
 impl Scheduler {
@@ -81,14 +81,21 @@ impl Scheduler {
         seq.tokens.push(s.token);
         seq.generated += 1;
         let mut finish = None;
+        let new = seq.text.len();
         if Some(s.token) == eos {
             finish = Some(FinishReason::Stop);
         } else {
             seq.text.push_str(&seq.decoder.push(tok, s.token));
         }
+        // Stop strings count from `min_tokens` on, and only those that reach into this
+        // token's text: an earlier one either stopped the stream or came before
+        // `min_tokens` (vLLM's rule).
         let may_stop = seq.generated >= params.min_tokens;
         let mut visible = seq.text.len();
-        if let Some(at) = find_stop(&seq.text, &params.stop).filter(|_| may_stop) {
+        let stop = may_stop
+            .then(|| find_stop_after(&seq.text, &params.stop, new))
+            .flatten();
+        if let Some(at) = stop {
             visible = at;
             finish = Some(FinishReason::Stop);
         }
