@@ -9,6 +9,12 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::kernels::softmax;
 
 mod draw;
+mod penalties;
+mod stop;
+
+use penalties::Counts;
+pub use penalties::penalize;
+pub use stop::{find_stop, find_stop_after};
 
 /// The most alternatives a request may ask for per token (OpenAI's `top_logprobs` limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -96,23 +102,6 @@ impl Penalties {
     }
 }
 
-/// `logits` with OpenAI's penalties applied: for each token `j` generated `c[j]` times,
-/// `logit[j] - c[j] * frequency - (c[j] > 0) * presence`. The prompt does not count, as in
-/// OpenAI's definition.
-pub fn penalize(logits: &[f32], generated: &[u32], p: Penalties) -> Vec<f32> {
-    let mut out = logits.to_vec();
-    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-    for &t in generated {
-        *counts.entry(t).or_default() += 1;
-    }
-    for (t, c) in counts {
-        if let Some(l) = out.get_mut(t as usize) {
-            *l -= c as f32 * p.frequency + p.presence;
-        }
-    }
-    out
-}
-
 impl Default for SamplingParams {
     fn default() -> Self {
         SamplingParams {
@@ -189,6 +178,8 @@ impl SamplerState {
 pub struct Sampler {
     params: SamplingParams,
     state: SamplerState,
+    /// The penalties' counts of the sequence's generated tokens.
+    counts: Counts,
 }
 
 impl Sampler {
@@ -198,12 +189,17 @@ impl Sampler {
         Sampler {
             params,
             state: SamplerState { seed, draws: 0 },
+            counts: Counts::default(),
         }
     }
 
     /// A sampler that continues a stream another process started.
     pub fn resume(params: SamplingParams, state: SamplerState) -> Sampler {
-        Sampler { params, state }
+        Sampler {
+            params,
+            state,
+            counts: Counts::default(),
+        }
     }
 
     /// Where the random stream stands.
@@ -216,7 +212,8 @@ impl Sampler {
         &self.params
     }
 
-    /// Samples from `logits` after the penalties for the tokens the sequence has `generated`;
+    /// Samples from `logits` after the penalties for the tokens the sequence has `generated`
+    /// (a list that grows from call to call: the counts of its earlier tokens are kept);
     /// `banned` tokens (EOS before `min_tokens`) are never chosen. The logprob reported is
     /// under the raw logits, as OpenAI's are.
     pub fn sample(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> Sampled {
@@ -235,7 +232,8 @@ impl Sampler {
         let raw = logits;
         let penalized;
         let logits = if !self.params.penalties.is_off() {
-            penalized = penalize(raw, generated, self.params.penalties);
+            self.counts.update(generated);
+            penalized = self.counts.penalize(raw, self.params.penalties);
             &penalized[..]
         } else {
             raw
@@ -297,38 +295,6 @@ pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
 /// The `n` likeliest tokens of `logits` and their log-softmax (see [`LogSoftmax::top`]).
 pub fn top_logprobs(logits: &[f32], n: usize) -> TopLogprobs {
     LogSoftmax::of(logits).top(logits, n)
-}
-
-/// Where in `text` generation should stop, if a stop string appears: the byte index where the
-/// earliest one starts.
-pub fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
-    find_stop_after(text, stops, 0)
-}
-
-/// [`find_stop`] for the stop strings that end past byte `new` of `text`: those that take
-/// part of the text from `new` on. What lay wholly before it was looked at when it was new
-/// (or, before `min_tokens`, is not to stop the stream, as vLLM has it), so each token
-/// searches its own text and a stop string's length back, not the whole text again (which
-/// made a sequence's stop checks quadratic in its length).
-pub fn find_stop_after(text: &str, stops: &[String], new: usize) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| {
-            // Every match from here ends past `new`, and none that does starts earlier (a
-            // match starts on a character boundary).
-            let from = ceil_char_boundary(text, new.saturating_sub(s.len() - 1));
-            text[from..].find(s.as_str()).map(|at| from + at)
-        })
-        .min()
-}
-
-/// The smallest character boundary of `s` at or above `i` (its length past the end).
-fn ceil_char_boundary(s: &str, mut i: usize) -> usize {
-    while i < s.len() && !s.is_char_boundary(i) {
-        i += 1;
-    }
-    i.min(s.len())
 }
 
 #[cfg(test)]
@@ -530,80 +496,6 @@ mod tests {
                 plain.sample(&logits, None, &[]).token,
                 again.sample(&logits, None, &[]).token
             );
-        }
-    }
-
-    #[test]
-    fn stop_strings() {
-        assert_eq!(
-            find_stop("hello world", &["wor".into(), "xyz".into()]),
-            Some(6)
-        );
-        assert_eq!(find_stop("hello", &["".into()]), None);
-    }
-
-    /// Text appended piece by piece, each new piece searched with [`find_stop_after`] from
-    /// piece `from` on (the `min_tokens` of a stream): the first stop found, and when, is the
-    /// brute-force search's over every position, counting only the matches that end past
-    /// the text present before piece `from`.
-    #[test]
-    fn the_tail_search_finds_what_the_whole_search_finds() {
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
-        let pieces = [
-            "a",
-            "b",
-            "ab",
-            "ba",
-            "é",
-            "aé",
-            "\u{1F600}",
-            "bb",
-            "aaa",
-            "",
-        ];
-        let letters = ["a", "b", "é", "\u{1F600}"];
-        let brute = |text: &str, stops: &[String], boundary: usize| {
-            (0..=text.len())
-                .filter(|p| text.is_char_boundary(*p))
-                .find(|p| {
-                    stops.iter().any(|s| {
-                        !s.is_empty()
-                            && text[*p..].starts_with(s.as_str())
-                            && p + s.len() > boundary
-                    })
-                })
-        };
-        for _ in 0..5000 {
-            let stops: Vec<String> = (0..1 + next(3))
-                .map(|_| (0..next(5)).map(|_| letters[next(letters.len())]).collect())
-                .collect();
-            let from = next(8);
-            let (mut text, mut boundary) = (String::new(), 0);
-            for i in 0..12 {
-                if i == from {
-                    boundary = text.len();
-                }
-                let new = text.len();
-                text.push_str(pieces[next(pieces.len())]);
-                if i < from {
-                    continue;
-                }
-                let found = find_stop_after(&text, &stops, new);
-                assert_eq!(
-                    found,
-                    brute(&text, &stops, boundary),
-                    "{text:?} {stops:?} from {from}"
-                );
-                if found.is_some() {
-                    break;
-                }
-            }
         }
     }
 }

@@ -80,8 +80,52 @@ pub fn run(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
             best / step
         );
     }
+    penalties_late(&logits, step);
     stop_strings(step);
     Ok(())
+}
+
+/// The penalties late in a long output, 16,000 tokens generated: counting every generated
+/// token again for each new one (`penalize`, what the sampler did), against the sampler's
+/// counts kept from token to token (each call counts only the new token).
+fn penalties_late(logits: &[f32], step: f64) {
+    use duet_engine::sampling::{Penalties, penalize};
+    let p = Penalties {
+        presence: 0.5,
+        frequency: 0.5,
+    };
+    let mut generated: Vec<u32> = (0..16_000u32).map(|i| i * 97 % 5000).collect();
+    let time = |f: &mut dyn FnMut()| {
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            for _ in 0..50 {
+                f();
+            }
+            best = best.min(t.elapsed().as_secs_f64() / 50.0);
+        }
+        best
+    };
+    let afresh = time(&mut || {
+        std::hint::black_box(penalize(logits, &generated, p));
+    });
+    let mut s = Sampler::new(duet_engine::SamplingParams {
+        temperature: 1.0,
+        seed: Some(7),
+        penalties: p,
+        ..Default::default()
+    });
+    s.sample(logits, None, &generated);
+    let kept = time(&mut || {
+        let t = s.sample(logits, None, &generated).token;
+        generated.push(t);
+    });
+    println!(
+        "penalties after 16000 tokens: counted afresh {:>7.1} us (the count alone), kept counts {:>6.1} us per token (the whole sample) = {:.3} of a batch-1 step",
+        afresh * 1e6,
+        kept * 1e6,
+        kept / step
+    );
 }
 
 /// A token's stop-string check late in a long output: four stop strings a chat client might
