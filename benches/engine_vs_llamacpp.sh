@@ -3,6 +3,9 @@
 #
 #   benches/engine_vs_llamacpp.sh [THREADS] [ROUNDS]      (default 1,2 and 3)
 #
+# KEEP=DIR keeps each round's raw figures there (duet.jsonl, llamacpp.jsonl); every round's
+# figures are also printed after the ranges, so a range's ends can be traced to their rounds.
+#
 # Builds llama-cpp-python 0.3.36 from PyPI into .bench-venv/ on first use (about 4 minutes on
 # two cores; CPU only, native instructions). Each round runs llama.cpp, then Duet, each in a
 # fresh process; the table gives, per metric, the range of each engine over the rounds and the
@@ -26,7 +29,7 @@ fi
 model=$(cargo run --release --quiet -- fetch-model | awk '{print $1}')
 cargo bench --quiet -p duet-engine --bench throughput --no-run
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+trap 'if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp "$out"/*.jsonl "$KEEP"/; fi; rm -rf "$out"' EXIT
 for r in $(seq "$rounds"); do
   echo "== round $r/$rounds: llama.cpp" >&2
   "$venv/bin/python" benches/llamacpp_bench.py "$model" "$threads" |
@@ -62,4 +65,15 @@ if one and two:
     for key in ["prefill_tok_s", "decode_b1_tok_s", "decode_b32_tok_s"]:
         s = [two[r][key] / one[r][key] for r in sorted(set(one) & set(two))]
         print(f"   2 vs 1 thread, {key:<24} {min(s):.2f}-{max(s):.2f}x (same process, per round)")
+print("\nper round (tok/s: duet / llama.cpp = ratio; batch 32: duet, % of the peak measured in the run)")
+for r in sorted({r["round"] for r in du}):
+    for t in sorted({x["threads"] for x in du}):
+        d = next((x for x in du if x["round"] == r and x["threads"] == t), None)
+        l = next((x for x in ll if x["round"] == r and x["threads"] == t), None)
+        if d is None or l is None:
+            continue
+        cells = [f"{k.replace('_tok_s', '')} {d[k]:.1f} / {l[k]:.1f} = {d[k] / l[k]:.2f}x"
+                 for k in ["prefill_tok_s", "decode_b1_tok_s", "decode_b1_after_512_tok_s"]]
+        cells.append(f"b32 {d['decode_b32_tok_s']:.1f}, {100 * d['b32_gmac_s'] / d['fma_peak_gmac_s']:.0f} %")
+        print(f"  round {r}, {t} thread(s): " + "; ".join(cells))
 PY

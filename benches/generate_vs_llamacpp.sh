@@ -9,6 +9,8 @@
 # each a fresh process. Reports time to first token (prefill of 512 plus the first token),
 # decode tok/s over the 127 tokens after it, and the process's wall time with model load; the
 # ratios are taken within a round. Uses .bench-venv from benches/engine_vs_llamacpp.sh.
+# KEEP=DIR keeps each round's raw figures there (rows.jsonl); every round's figures are also
+# printed after the ranges.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${1:-1,2}
@@ -21,7 +23,7 @@ fi
 model=$(cargo run --release --quiet -- fetch-model | awk '{print $1}')
 cargo build --release --quiet
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+trap 'if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP" && cp "$out/rows.jsonl" "$KEEP"/ 2>/dev/null; fi; rm -rf "$out"' EXIT
 # The prompt: llama.cpp's tokens of the engine benchmark's text, first 512.
 ids=$("$venv/bin/python" - "$model" <<'PY'
 import sys
@@ -89,4 +91,10 @@ for t in sorted({r["threads"] for r in rows}):
     d = [r["duet_wall_s"] for r in rs]; l = [r["llama_wall_s"] for r in rs]
     print(f"{t:>7}  process wall time (s)      {rng(d)}  {rng(l)}  "
           f"{min(b / a for a, b in zip(d, l)):.2f}-{max(b / a for a, b in zip(d, l)):.2f}x")
+print("\nper round (duet / llama.cpp)")
+for r in rows:
+    d, l = r["duet"], r["llama"]
+    print(f"  round {r['round']}, {r['threads']} thread(s): TTFT {d['ttft_ms']:.0f} / {l['ttft_ms']:.0f} ms, "
+          f"decode {d['decode_tokens_per_s']:.1f} / {l['decode_tokens_per_s']:.1f} tok/s, "
+          f"wall {r['duet_wall_s']:.2f} / {r['llama_wall_s']:.2f} s")
 PY
