@@ -229,17 +229,15 @@ impl Sampler {
 
     /// The chosen token.
     fn choose(&mut self, logits: &[f32], banned: Option<u32>, generated: &[u32]) -> u32 {
-        let raw = logits;
-        let penalized;
-        let logits = if !self.params.penalties.is_off() {
-            self.counts.update(generated);
-            penalized = self.counts.penalize(raw, self.params.penalties);
-            &penalized[..]
-        } else {
-            raw
-        };
-        let state = &mut self.state;
-        draw::draw(logits, banned, &self.params, || state.next_unit())
+        let (params, state) = (&self.params, &mut self.state);
+        if params.penalties.is_off() {
+            return draw::draw(logits, banned, params, || state.next_unit());
+        }
+        self.counts.update(generated);
+        self.counts
+            .with_penalized(logits, params.penalties, |logits| {
+                draw::draw(logits, banned, params, || state.next_unit())
+            })
     }
 }
 

@@ -66,14 +66,9 @@ pub fn run(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
             },
             ..Default::default()
         });
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            for _ in 0..reps {
-                std::hint::black_box(s.sample(&logits, None, &generated));
-            }
-            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-        }
+        let best = best_per_call(3, reps, &mut || {
+            std::hint::black_box(s.sample(&logits, None, &generated));
+        });
         println!(
             "sample {name:<34}: {:>7.1} us per token = {:.3} of a batch-1 step",
             best * 1e6,
@@ -95,18 +90,7 @@ fn penalties_late(logits: &[f32], step: f64) {
         frequency: 0.5,
     };
     let mut generated: Vec<u32> = (0..16_000u32).map(|i| i * 97 % 5000).collect();
-    let time = |f: &mut dyn FnMut()| {
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            for _ in 0..50 {
-                f();
-            }
-            best = best.min(t.elapsed().as_secs_f64() / 50.0);
-        }
-        best
-    };
-    let afresh = time(&mut || {
+    let afresh = best_per_call(3, 50, &mut || {
         std::hint::black_box(penalize(logits, &generated, p));
     });
     let mut s = Sampler::new(duet_engine::SamplingParams {
@@ -116,7 +100,7 @@ fn penalties_late(logits: &[f32], step: f64) {
         ..Default::default()
     });
     s.sample(logits, None, &generated);
-    let kept = time(&mut || {
+    let kept = best_per_call(3, 50, &mut || {
         let t = s.sample(logits, None, &generated).token;
         generated.push(t);
     });
@@ -141,19 +125,12 @@ fn stop_strings(step: f64) {
     for tokens in [1_000, 4_000, 16_000] {
         let text = sentence.repeat(tokens * 4 / sentence.len());
         let new = text.len() - 4;
-        let time = |f: &dyn Fn() -> Option<usize>| {
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                let t = Instant::now();
-                for _ in 0..200 {
-                    std::hint::black_box(f());
-                }
-                best = best.min(t.elapsed().as_secs_f64() / 200.0);
-            }
-            best
-        };
-        let whole = time(&|| find_stop(std::hint::black_box(&text), &stops));
-        let tail = time(&|| find_stop_after(std::hint::black_box(&text), &stops, new));
+        let whole = best_per_call(5, 200, &mut || {
+            std::hint::black_box(find_stop(std::hint::black_box(&text), &stops));
+        });
+        let tail = best_per_call(5, 200, &mut || {
+            std::hint::black_box(find_stop_after(std::hint::black_box(&text), &stops, new));
+        });
         println!(
             "stop strings after {tokens:>6} tokens: whole text {:>7.2} us = {:.4} of a batch-1 step, own text {:>5.3} us",
             whole * 1e6,
@@ -161,4 +138,17 @@ fn stop_strings(step: f64) {
             tail * 1e6
         );
     }
+}
+
+/// Seconds per call of `f`: the best of `rounds` rounds of `calls` calls.
+fn best_per_call(rounds: usize, calls: usize, f: &mut dyn FnMut()) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for _ in 0..calls {
+            f();
+        }
+        best = best.min(t.elapsed().as_secs_f64() / calls as f64);
+    }
+    best
 }

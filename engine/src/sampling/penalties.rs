@@ -9,14 +9,22 @@ use super::Penalties;
 pub fn penalize(logits: &[f32], generated: &[u32], p: Penalties) -> Vec<f32> {
     let mut counts = Counts::default();
     counts.update(generated);
-    counts.penalize(logits, p)
+    let mut out = Vec::new();
+    counts.penalize_into(logits, p, &mut out);
+    out
+}
+
+thread_local! {
+    /// The penalized row's scratch, one per thread that samples (as the draw's own row,
+    /// `draw::ROW`): a fresh 196 KB row per token was an `mmap` and its page faults.
+    static PENALIZED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// How often each token was generated, kept from token to token: a sequence's generated
 /// tokens only grow, so each call counts the new ones. Counting all of them again for every
 /// token made the penalties quadratic in the output's length (`throughput --sampling`, one
-/// Zen 3 core: at 16,000 tokens generated the count took ~0.6 ms a token; the whole sample
-/// with kept counts takes ~0.18).
+/// Zen 3 core: at 16,000 tokens generated the count took 0.36-0.63 ms a token; the whole
+/// sample with kept counts takes 0.15-0.21).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Counts {
     of: std::collections::HashMap<u32, u32>,
@@ -40,14 +48,27 @@ impl Counts {
         self.last = generated.last().copied();
     }
 
-    pub(super) fn penalize(&self, logits: &[f32], p: Penalties) -> Vec<f32> {
-        let mut out = logits.to_vec();
+    /// `f` of `logits` with the penalties of these counts applied (in this thread's scratch).
+    pub(super) fn with_penalized<R>(
+        &self,
+        logits: &[f32],
+        p: Penalties,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> R {
+        PENALIZED.with_borrow_mut(|row| {
+            self.penalize_into(logits, p, row);
+            f(row)
+        })
+    }
+
+    fn penalize_into(&self, logits: &[f32], p: Penalties, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(logits);
         for (&t, &c) in &self.of {
             if let Some(l) = out.get_mut(t as usize) {
                 *l -= c as f32 * p.frequency + p.presence;
             }
         }
-        out
     }
 }
 
