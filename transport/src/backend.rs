@@ -232,16 +232,40 @@ pub fn pages_crc(
     layout: &KvLayout,
     pages: &[PageId],
 ) -> Result<u32, TransportError> {
-    let mut h = crc32fast::Hasher::new();
-    for r in coalesce(pages.iter().map(|&p| (p, p))) {
-        let range = layout.run_bytes(r.src, r.n as usize);
-        // SAFETY: the caller holds the pages (source pins on prefill; on decode, a completed
-        // attempt's pages that nothing writes any more).
-        #[allow(unsafe_code)]
-        let bytes = unsafe { memory.slice(range.start, range.len())? };
-        h.update(bytes);
+    let mut crc = PagesCrc::default();
+    crc.update(memory, layout, pages)?;
+    Ok(crc.finish())
+}
+
+/// A [`pages_crc`] taken a few pages at a time: decode checks a long transfer's pages over
+/// several turns so that no engine step waits for all of them at once. The pages given to
+/// successive [`PagesCrc::update`] calls, in order, hash as one [`pages_crc`] over them all.
+#[derive(Debug, Clone, Default)]
+pub struct PagesCrc(crc32fast::Hasher);
+
+impl PagesCrc {
+    /// Hashes `pages` after the ones given before.
+    pub fn update(
+        &mut self,
+        memory: &PoolMemory,
+        layout: &KvLayout,
+        pages: &[PageId],
+    ) -> Result<(), TransportError> {
+        for r in coalesce(pages.iter().map(|&p| (p, p))) {
+            let range = layout.run_bytes(r.src, r.n as usize);
+            // SAFETY: the caller holds the pages (source pins on prefill; on decode, a
+            // completed attempt's pages that nothing writes any more).
+            #[allow(unsafe_code)]
+            let bytes = unsafe { memory.slice(range.start, range.len())? };
+            self.0.update(bytes);
+        }
+        Ok(())
     }
-    Ok(h.finalize())
+
+    /// The CRC-32 of every page given.
+    pub fn finish(self) -> u32 {
+        self.0.finalize()
+    }
 }
 
 /// Connects to `endpoint` with `backend`.
@@ -667,6 +691,29 @@ pub(crate) mod tests {
                 src.copy_bytes(l.run_bytes(s, 1)).unwrap()
             );
         }
+    }
+
+    #[test]
+    fn pages_hashed_a_few_at_a_time_hash_as_all_at_once() {
+        let l = layout();
+        let pool = filled(l);
+        let memory = pool.memory();
+        let pages = [5, 6, 0, 1, 7, 2];
+        let whole = pages_crc(&memory, &l, &pages).unwrap();
+        for cut in [vec![1, 2, 3], vec![4, 2], vec![1, 1, 1, 1, 1, 1], vec![6]] {
+            let mut crc = PagesCrc::default();
+            let mut at = 0;
+            for n in cut {
+                crc.update(&memory, &l, &pages[at..at + n]).unwrap();
+                at += n;
+            }
+            assert_eq!(crc.finish(), whole);
+        }
+        // The order counts: a piece hashed out of turn is another checksum.
+        let mut crc = PagesCrc::default();
+        crc.update(&memory, &l, &pages[3..]).unwrap();
+        crc.update(&memory, &l, &pages[..3]).unwrap();
+        assert_ne!(crc.finish(), whole);
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub mod shm;
 pub mod tcp;
 
 pub use backend::{
-    Backend, ByteCopy, Endpoint, KvTransport, LocalRegistration, PageRun, TransportError,
+    Backend, ByteCopy, Endpoint, KvTransport, LocalRegistration, PageRun, PagesCrc, TransportError,
     WriteStage, coalesce, connect, host_id, layer_copies, pages_crc, run_copies, unwatched,
 };
 pub use claims::{ClaimError, ClaimTable, Revocation, WriteGrant};

@@ -7,12 +7,18 @@
 //! a page's reuse hangs on are one piece of code, explored under every timing.
 //!
 //! ```text
-//!  open ──► current ── Done: revoke proven + check ok ──► published (pages to the batch)
-//!             │   │                └─ busy / check failed ──► ended
+//!  open ──► current ── Done: revoke proven ──► fenced ── check ok ──► published (to the batch)
+//!             │   │          └─ busy ──► ended       │  └─ check failed ──► ended
+//!             │   │                                  └─ cancel ──► ended (free at once)
 //!             │   └─ chunk, prefill stepping: progress (the deadline counts from here)
 //!             └─ failed, cancel, peer lost, receiver lost, no progress for the deadline
 //!                   ──► ended: ledger aborted, quarantined ── revoke proven ──► closed, free
 //! ```
+//!
+//! A fenced attempt's writer is done (its revoke is proven): what remains is decode's own check
+//! of the landed bytes, which may take several turns ([`Attempts::fence`], then
+//! [`Attempts::publish`]). Neither a deadline nor the writer's loss ends it meanwhile; a
+//! cancel still does.
 //!
 //! DESIGN rules 2 and 5: a deadline starts recovery and raises alarms; only a proof frees a page.
 
@@ -40,6 +46,9 @@ pub struct Open<T> {
     /// The last sign of progress: the notice, a chunk written, or prefill's engine stepping
     /// while it holds the attempt (ms). The deadline counts from here.
     pub progressed_ms: u64,
+    /// Prefill's Done came and the grant's revoke is proven: no byte of the attempt can land
+    /// any more, and only decode's check stands between it and the batch.
+    pub fenced: bool,
     /// What the caller keeps about the request.
     pub item: T,
 }
@@ -83,6 +92,20 @@ pub enum Done<T, E> {
     Landing(Ended<T>),
     /// Not the current attempt of its room (aborted meanwhile, or a duplicate): nothing of the
     /// room changes; an aborted attempt is asked for its proof again.
+    Stale,
+}
+
+/// What fencing on prefill's Done did.
+#[derive(Debug)]
+pub enum Fenced<T> {
+    /// The current attempt, its revoke proven: no write of it can land any more. It waits for
+    /// [`Attempts::publish`] (after decode's check of the landed bytes).
+    Fenced,
+    /// A writer still holds the grant's claim although prefill fenced before its Done: never
+    /// published; ended, and prefill is told to stop.
+    Landing(Ended<T>),
+    /// Not the current attempt of its room, or fenced already: nothing of the room changes;
+    /// an aborted attempt is asked for its proof again.
     Stale,
 }
 
@@ -225,6 +248,7 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
                 held,
                 noticed_ms: now_ms,
                 progressed_ms: now_ms,
+                fenced: false,
                 item,
             },
         );
@@ -298,9 +322,8 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         }
     }
 
-    /// Prefill says every write of `attempt` landed. The grant is revoked first (as on every
-    /// end): no write can land once the pages are checked and change hands. `check` looks at
-    /// the landed KV (checksums) before it is published.
+    /// Prefill says every write of `attempt` landed: [`Attempts::fence`], then
+    /// [`Attempts::publish`] with `check`, in one call (a check that needs no time).
     pub fn done<E>(
         &mut self,
         prefill: &P,
@@ -309,16 +332,65 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
         at: &mut At<'_>,
         check: impl FnOnce(&Open<T>) -> Result<(), E>,
     ) -> Done<T, E> {
+        match self.fence(prefill, room, attempt, at) {
+            Fenced::Fenced => self.publish(prefill, room, attempt, at, check),
+            Fenced::Landing(e) => Done::Landing(e),
+            Fenced::Stale => Done::Stale,
+        }
+    }
+
+    /// Prefill says every write of `attempt` landed. The grant is revoked first (as on every
+    /// end): no write can land once the pages are checked and change hands. A proven revoke
+    /// leaves the attempt fenced, for [`Attempts::publish`] once decode has checked the
+    /// landed KV; a writer still inside its claim ends it.
+    pub fn fence(
+        &mut self,
+        prefill: &P,
+        room: Room,
+        attempt: AttemptKey,
+        at: &mut At<'_>,
+    ) -> Fenced<T> {
         let key = (prefill.clone(), room);
-        if self.open.get(&key).is_none_or(|o| o.attempt != attempt) {
-            // An old attempt's message never touches a newer one; a Done is as good a reason
-            // as an acknowledgement to ask for an aborted attempt's proof again.
-            self.settle(attempt, at);
-            return Done::Stale;
+        match self.open.get(&key) {
+            Some(o) if o.attempt == attempt && !o.fenced => {}
+            // A duplicate Done of a fenced attempt changes nothing.
+            Some(o) if o.attempt == attempt => return Fenced::Stale,
+            _ => {
+                // An old attempt's message never touches a newer one; a Done is as good a
+                // reason as an acknowledgement to ask for an aborted attempt's proof again.
+                self.settle(attempt, at);
+                return Fenced::Stale;
+            }
         }
         if at.fence.revoke(attempt) == Revocation::Busy {
             let ended = self.end_key(&key, AbortReason::ProducerFailure, true, at);
-            return ended.map_or(Done::Stale, Done::Landing);
+            return ended.map_or(Fenced::Stale, Fenced::Landing);
+        }
+        if let Some(o) = self.open.get_mut(&key) {
+            o.fenced = true;
+            o.progressed_ms = o.progressed_ms.max(at.now_ms);
+        }
+        Fenced::Fenced
+    }
+
+    /// Decode checked a fenced attempt's landed KV: `check` (checksums) decides whether its
+    /// grant is published. `Stale` unless `attempt` is the room's current one and fenced (a
+    /// cancel may have ended it while decode checked).
+    pub fn publish<E>(
+        &mut self,
+        prefill: &P,
+        room: Room,
+        attempt: AttemptKey,
+        at: &mut At<'_>,
+        check: impl FnOnce(&Open<T>) -> Result<(), E>,
+    ) -> Done<T, E> {
+        let key = (prefill.clone(), room);
+        if !self
+            .open
+            .get(&key)
+            .is_some_and(|o| o.attempt == attempt && o.fenced)
+        {
+            return Done::Stale;
         }
         if let Some(Err(e)) = self.open.get(&key).map(check) {
             // Corrupted or incomplete: never published. The grant is revoked, so the pages
@@ -395,8 +467,13 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
 
     /// `prefill` is gone (unreachable, restarted, its process dead): its transfers end, and
     /// its aborted attempts are asked for their proof again (a dead writer's claims drop).
+    /// A fenced attempt stays: its writer finished, and nothing of it can land any more.
     pub fn lose(&mut self, prefill: &P, at: &mut At<'_>) -> Vec<Ended<T>> {
-        let ended = self.end_where(|p, _| p == prefill, AbortReason::ProducerFailure, at);
+        let ended = self.end_where(
+            |p, o| p == prefill && !o.fenced,
+            AbortReason::ProducerFailure,
+            at,
+        );
         let theirs: Vec<AttemptKey> = self
             .draining
             .iter()
@@ -441,9 +518,10 @@ impl<P: Ord + Clone + Display, T> Attempts<P, T> {
             }
         }
         // A deadline on progress, not on the work: a long prompt that keeps computing and
-        // writing never meets it; a stopped or wedged prefill does.
+        // writing never meets it; a stopped or wedged prefill does. A fenced attempt waits
+        // for decode's own check only, which every turn advances.
         self.end_where(
-            |_, o| now_ms.saturating_sub(o.progressed_ms) > timeout_ms,
+            |_, o| !o.fenced && now_ms.saturating_sub(o.progressed_ms) > timeout_ms,
             AbortReason::Timeout,
             at,
         )

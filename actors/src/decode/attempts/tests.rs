@@ -229,3 +229,80 @@ fn a_lost_prefill_ends_only_its_own_transfers() {
     assert_eq!(a.get(&"p1".to_string(), 8).map(|o| o.attempt), Some(other));
     assert_eq!(alloc.free_pages(), 6);
 }
+
+#[test]
+fn a_fenced_attempt_waits_for_its_check_past_every_deadline_and_its_writers_loss() {
+    let (mut a, mut alloc, k) = one_open();
+    let mut fence = Claims::default();
+    let fenced = a.fence(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc));
+    assert!(matches!(fenced, Fenced::Fenced), "{fenced:?}");
+    assert_eq!(fence.revoked, vec![k], "revoked when fenced");
+    // A duplicate Done neither revokes again nor publishes.
+    let again = a.fence(&p0(), 7, k, &mut at(160, &mut fence, &mut alloc));
+    assert!(matches!(again, Fenced::Stale), "{again:?}");
+    // Decode's check takes long (a busy batch), and the writer's node goes away meanwhile:
+    // its writes all landed before the proven revoke, so neither ends the transfer.
+    let late = a.tend(LIMITS, &mut at(100_000, &mut fence, &mut alloc));
+    assert!(late.is_empty(), "{late:?}");
+    assert!(
+        a.lose(&p0(), &mut at(100_001, &mut fence, &mut alloc))
+            .is_empty()
+    );
+    assert_eq!(alloc.free_pages(), 5);
+    let done = a.publish(
+        &p0(),
+        7,
+        k,
+        &mut at(100_002, &mut fence, &mut alloc),
+        |_| Ok::<(), ()>(()),
+    );
+    assert!(matches!(done, Done::Published { .. }), "{done:?}");
+    assert_eq!(alloc.free_pages(), 5, "the sequence owns its 3 pages");
+    assert!(a.is_empty() && a.take_effects().is_empty());
+}
+
+#[test]
+fn a_fenced_attempt_cancelled_while_checked_frees_its_pages_and_is_never_published() {
+    let (mut a, mut alloc, k) = one_open();
+    let mut fence = Claims::default();
+    // Published before its Done is fenced: nothing.
+    let early = a.publish(&p0(), 7, k, &mut at(120, &mut fence, &mut alloc), |_| {
+        Ok::<(), ()>(())
+    });
+    assert!(matches!(early, Done::Stale), "{early:?}");
+    assert_eq!(a.len(), 1);
+    assert!(matches!(
+        a.fence(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc)),
+        Fenced::Fenced
+    ));
+    let ended = a.end_where(
+        |_, o| o.item == "req",
+        AbortReason::ClientCancel,
+        &mut at(160, &mut fence, &mut alloc),
+    );
+    assert_eq!(ended.len(), 1);
+    assert_eq!(
+        alloc.free_pages(),
+        8,
+        "revoked already: every page back at once"
+    );
+    assert!(!a.is_draining(k));
+    let done = a.publish(&p0(), 7, k, &mut at(170, &mut fence, &mut alloc), |_| {
+        Ok::<(), ()>(())
+    });
+    assert!(matches!(done, Done::Stale), "{done:?}");
+    assert_eq!(alloc.free_pages(), 8);
+}
+
+#[test]
+fn a_fenced_attempt_whose_check_fails_is_refused_with_its_pages_free() {
+    let (mut a, mut alloc, k) = one_open();
+    let mut fence = Claims::default();
+    a.fence(&p0(), 7, k, &mut at(150, &mut fence, &mut alloc));
+    let done = a.publish(&p0(), 7, k, &mut at(180, &mut fence, &mut alloc), |_| {
+        Err("mismatch")
+    });
+    assert!(matches!(done, Done::Refused(_, "mismatch")), "{done:?}");
+    assert_eq!(alloc.free_pages(), 8);
+    assert!(a.is_empty());
+}
