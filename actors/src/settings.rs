@@ -58,6 +58,9 @@ pub struct ServingConfig {
     pub transfer_timeout: Duration,
     /// Checksum every transferred run of pages; decode checks before it publishes.
     pub kv_checksum: bool,
+    /// Bytes of landed KV decode checks per engine step while it has sequences running (a
+    /// long transfer's check spreads over several steps instead of stalling one).
+    pub kv_verify_step_bytes: usize,
     /// An abort unacknowledged this long is asked again with a drain fence.
     pub drain_fence: Duration,
     /// An abort unacknowledged this long: the prefill side is treated as gone (its pins drop).
@@ -141,6 +144,7 @@ struct RawServing {
     bootstrap_timeout_secs: Option<Spanned<u64>>,
     transfer_timeout_secs: Option<Spanned<u64>>,
     kv_checksum: Option<bool>,
+    kv_verify_step_mib: Option<Spanned<u64>>,
     drain_fence_secs: Option<Spanned<u64>>,
     drain_backstop_secs: Option<Spanned<u64>>,
     retries: Option<Spanned<u64>>,
@@ -452,6 +456,14 @@ impl ServingConfig {
                 120,
             )?),
             kv_checksum: s.kv_checksum.unwrap_or(true),
+            kv_verify_step_bytes: int(
+                &s.kv_verify_step_mib,
+                "serving.kv_verify_step_mib",
+                1,
+                1 << 16,
+                8,
+            )? as usize
+                * (1 << 20),
             drain_fence: Duration::from_secs(int(
                 &s.drain_fence_secs,
                 "serving.drain_fence_secs",
@@ -591,6 +603,11 @@ mod tests {
         assert_eq!(s.disagg_threshold, 32);
         assert_eq!(s.kv_transport, KvTransportChoice::Auto);
         assert!(s.kv_checksum);
+        assert_eq!(s.kv_verify_step_bytes, 8 << 20);
+        let two = read("[serving]\nkv_verify_step_mib = 2\n", "p0").expect("2 MiB");
+        assert_eq!(two.kv_verify_step_bytes, 2 << 20);
+        let e = read("[serving]\nkv_verify_step_mib = 0\n", "p0").expect_err("0 MiB");
+        assert_eq!((e.key.as_str(), e.line), ("serving.kv_verify_step_mib", 2));
         assert_eq!(
             (s.drain_fence, s.drain_backstop),
             (Duration::from_secs(2), Duration::from_secs(60))

@@ -25,6 +25,10 @@ pub struct Faults {
     pub write_stall: f64,
     /// Longest such stall (µs).
     pub max_write_stall_us: u64,
+    /// Longest decode takes to check a fenced transfer's KV before it publishes it (µs,
+    /// uniform; the real check spreads over turns while a batch runs, so cancels, deadlines
+    /// and a lost writer meet transfers that are fenced and not yet published). 0: at once.
+    pub max_check_us: u64,
     /// Probability that a client leaves before its request ends (at a uniformly drawn
     /// moment: waiting for pages, during the transfer, while decoding).
     pub client_leaves: f64,
@@ -45,6 +49,7 @@ impl Faults {
             max_partition_us: 0,
             write_stall: 0.0,
             max_write_stall_us: 0,
+            max_check_us: 0,
             client_leaves: 0.0,
             until_us: 0,
         }
@@ -62,6 +67,7 @@ impl Faults {
             max_partition_us: 4_000_000,
             write_stall: 0.02,
             max_write_stall_us: 10_000_000,
+            max_check_us: 2_000_000,
             client_leaves: 0.1,
             until_us: 8_000_000,
         }

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use duet_actors::decode::attempts::{At, Attempts, Done, Effect, Ended, Limits};
+use duet_actors::decode::attempts::{At, Attempts, Done, Effect, Ended, Fenced, Limits};
 use duet_actors::protocol::FailureClass;
 use duet_gpu::{PageAllocator, PageId};
 use duet_transport::{AbortReason, Fence, Quarantine, Revocation};
@@ -143,7 +143,7 @@ impl World {
                 {
                     self.publish_aborted(d, attempt);
                 } else {
-                    self.finish_transfer(d, from, room, attempt, first);
+                    self.fence_transfer(d, from, room, attempt, first);
                 }
             }
             Msg::Failed { room, attempt } => {
@@ -193,6 +193,9 @@ impl World {
             Msg::PeerDown { node } => {
                 if self.prefill_index(node).is_some() {
                     // Its process is gone: nothing of it can write any more.
+                    let attempts = &self.decodes[d].attempts;
+                    let checking = attempts.iter().filter(|((p, _), o)| *p == node && o.fenced);
+                    self.stats.checks_outlived_writer += checking.count() as u64;
                     let (attempts, mut at) = self.decodes[d].at(now_ms);
                     let lost = attempts.lose(&node, &mut at);
                     for e in lost {
@@ -313,22 +316,60 @@ impl World {
     }
 
     /// Prefill says every write of the attempt landed: the real decode's rule decides (the
-    /// grant revoked with proof before the pages are published to the batch; a writer still
-    /// inside its claim means the transfer is never published).
-    fn finish_transfer(&mut self, d: usize, prefill: NodeId, room: u64, attempt: u64, first: u32) {
+    /// grant revoked with proof before anything else; a writer still inside its claim means
+    /// the transfer is never published). Decode's check of the landed KV then takes up to
+    /// `max_check_us`, during which the fenced transfer meets whatever else happens.
+    fn fence_transfer(&mut self, d: usize, prefill: NodeId, room: u64, attempt: u64, first: u32) {
         let now_ms = self.now_ms();
         let (attempts, mut at) = self.decodes[d].at(now_ms);
-        let done = attempts.done(&prefill, room, attempt, &mut at, |_| Ok::<(), ()>(()));
+        match attempts.fence(&prefill, room, attempt, &mut at) {
+            Fenced::Fenced => {}
+            Fenced::Landing(e) => {
+                self.note(|| format!("d{d}: attempt {attempt} done while a write still lands"));
+                self.on_ended(d, e);
+                return;
+            }
+            Fenced::Stale => return,
+        }
+        let max = self.cfg.faults.max_check_us;
+        if max == 0 {
+            return self.finish_transfer(d, prefill, room, attempt, first);
+        }
+        let us = self.rng.below(max);
+        let me = self.dnode(d);
+        let inc = self.procs[me].inc;
+        self.note(|| format!("d{d}: room {room} attempt {attempt} fenced, checked in {us} us"));
+        self.at(
+            self.now + us,
+            Ev::Checked(me, inc, (prefill, room, attempt, first)),
+        );
+    }
+
+    /// Decode checked a fenced transfer: it is published to the batch (unless it ended
+    /// meanwhile: a cancel).
+    pub(crate) fn finish_transfer(
+        &mut self,
+        d: usize,
+        prefill: NodeId,
+        room: u64,
+        attempt: u64,
+        first: u32,
+    ) {
+        let now_ms = self.now_ms();
+        let (attempts, mut at) = self.decodes[d].at(now_ms);
+        let done = attempts.publish(&prefill, room, attempt, &mut at, |_| Ok::<(), ()>(()));
         let (g, pages, held) = match done {
             Done::Published {
                 item, pages, held, ..
             } => (item, pages, held),
             Done::Landing(e) | Done::Refused(e, _) => {
-                self.note(|| format!("d{d}: attempt {attempt} done while a write still lands"));
                 self.on_ended(d, e);
                 return;
             }
-            Done::Stale => return,
+            Done::Stale => {
+                self.stats.checks_overtaken += 1;
+                return;
+            }
         };
         if self.decodes[d]
             .fence

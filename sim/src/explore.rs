@@ -26,6 +26,10 @@ pub struct Exploration {
     pub writes_refused: u64,
     /// Drains left unproven past the backstop (pages kept).
     pub quarantine_stalls: u64,
+    /// Checks of fenced transfers a cancel overtook.
+    pub checks_overtaken: u64,
+    /// Checks of fenced transfers whose writer's node was lost meanwhile.
+    pub checks_outlived_writer: u64,
     /// Attempts continued on another decode worker.
     pub migrations: u64,
 }
@@ -49,6 +53,8 @@ pub fn explore(cfg: &SimConfig, first: u64, count: u64) -> Exploration {
         aborts: 0,
         writes_refused: 0,
         quarantine_stalls: 0,
+        checks_overtaken: 0,
+        checks_outlived_writer: 0,
         migrations: 0,
     };
     for seed in first..first + count {
@@ -63,6 +69,8 @@ pub fn explore(cfg: &SimConfig, first: u64, count: u64) -> Exploration {
         e.aborts += s.aborts;
         e.writes_refused += s.writes_refused;
         e.quarantine_stalls += s.quarantine_stalls;
+        e.checks_overtaken += s.checks_overtaken;
+        e.checks_outlived_writer += s.checks_outlived_writer;
         e.migrations += s.migrations;
         if !r.violations.is_empty() {
             let traced = SimConfig {

@@ -91,6 +91,10 @@ pub struct Stats {
     pub writes_refused: u64,
     /// Drains that stayed unproven past the backstop (the alarm; pages stayed quarantined).
     pub quarantine_stalls: u64,
+    /// Fenced transfers whose check ended after a cancel had ended them (never published).
+    pub checks_overtaken: u64,
+    /// Fenced transfers whose writer's node was lost while decode checked them (published).
+    pub checks_outlived_writer: u64,
     /// Requests decode prefilled itself.
     pub local_prefills: u64,
     /// Control messages lost, duplicated.

@@ -118,6 +118,9 @@ pub(crate) enum Ev {
     ChunkComputed(NodeId, u64, u64),
     Land(NodeId, u64, u64),
     Step(NodeId, u64),
+    /// Decode (node, incarnation) finished checking a fenced transfer's KV: (prefill, room,
+    /// attempt, first token).
+    Checked(NodeId, u64, (NodeId, u64, u64, u32)),
     Fault,
     Resume(NodeId),
     Restart(NodeId),
@@ -330,9 +333,11 @@ impl World {
     fn target(&self, ev: &Ev) -> Option<NodeId> {
         match ev {
             Ev::Deliver { to, .. } => Some(*to),
-            Ev::Tick(n, _) | Ev::ChunkComputed(n, _, _) | Ev::Land(n, _, _) | Ev::Step(n, _) => {
-                Some(*n)
-            }
+            Ev::Tick(n, _)
+            | Ev::ChunkComputed(n, _, _)
+            | Ev::Land(n, _, _)
+            | Ev::Step(n, _)
+            | Ev::Checked(n, _, _) => Some(*n),
             _ => None,
         }
     }
@@ -476,6 +481,13 @@ impl World {
                     && let Some(i) = self.decode_index(n)
                 {
                     self.decode_step(i);
+                }
+            }
+            Ev::Checked(n, inc, (prefill, room, attempt, first)) => {
+                if self.procs[n].inc == inc
+                    && let Some(i) = self.decode_index(n)
+                {
+                    self.finish_transfer(i, prefill, room, attempt, first);
                 }
             }
             Ev::Fault => self.node_fault(),
@@ -664,6 +676,7 @@ fn discriminant(ev: &Ev) -> u64 {
         Ev::ChunkComputed(n, _, j) => 4 + ((*n as u64) << 4) + (j << 20),
         Ev::Land(n, _, w) => 5 + ((*n as u64) << 4) + (w << 20),
         Ev::Step(n, _) => 6 + ((*n as u64) << 4),
+        Ev::Checked(n, _, (_, _, a, _)) => 11 + ((*n as u64) << 4) + (a << 20),
         Ev::Fault => 7,
         Ev::Resume(n) => 8 + ((*n as u64) << 4),
         Ev::Restart(n) => 9 + ((*n as u64) << 4),

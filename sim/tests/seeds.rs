@@ -23,6 +23,10 @@ fn a_thousand_seeds_under_faults_break_no_invariant() {
         e.quarantine_stalls > 0,
         "no writer ever stalled past the backstop: {e:?}"
     );
+    assert!(
+        e.checks_overtaken > 0 && e.checks_outlived_writer > 0,
+        "no cancel or lost writer met a transfer decode was checking: {e:?}"
+    );
     assert!(e.finished > e.requests / 2, "{e:?}");
     eprintln!("{e:?}");
 }

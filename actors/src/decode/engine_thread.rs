@@ -52,6 +52,10 @@ pub(super) struct DecodeCore {
     pub(super) transfer_timeout: Duration,
     /// Check prefill's checksums before publishing.
     pub(super) checksum: bool,
+    /// Bytes of landed KV checked per turn while sequences run (`serving.kv_verify_step_mib`).
+    pub(super) verify_step_bytes: usize,
+    /// Fenced transfers whose KV is being checked, oldest first.
+    pub(super) checks: VecDeque<super::verify::Check>,
     /// How long an abort may go unacknowledged before decode asks again (drain fence).
     pub(super) drain_fence: Duration,
     /// How long an abort may stay unproven before decode raises the alarm (the pages stay
@@ -92,7 +96,7 @@ pub(super) struct DecodeCore {
 impl DecodeCore {
     pub(super) fn run(mut self, cmds: std_mpsc::Receiver<Cmd>) {
         loop {
-            let idle = self.runner.scheduler.is_idle();
+            let idle = self.runner.scheduler.is_idle() && self.checks.is_empty();
             let first = if idle {
                 // Nothing to compute: wake for a command, or to check transfer deadlines.
                 match cmds.recv_timeout(Duration::from_millis(200)) {
@@ -122,8 +126,8 @@ impl DecodeCore {
 
     /// One turn of the engine thread at `now` (the only clock reading the logic sees): the
     /// commands that arrived, then waiting requests get pages, deadlines and quarantined
-    /// attempts are checked, held transfers published, one engine step runs and the load is
-    /// reported. Returns the token items for the routers and the control messages for peers:
+    /// attempts are checked, held transfers fenced, the turn's share of landed KV checked
+    /// (and what passed published), one engine step runs and the load is reported. Returns the token items for the routers and the control messages for peers:
     /// the turn itself sends nothing.
     pub(super) fn turn(
         &mut self,
@@ -145,6 +149,7 @@ impl DecodeCore {
         {
             self.done(node, d, &mut items);
         }
+        self.check_landed(&mut items);
         if !self.runner.scheduler.is_idle() {
             self.step(&mut items);
         }

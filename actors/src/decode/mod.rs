@@ -63,6 +63,7 @@ mod engine_thread;
 mod receiver;
 mod recorded_grants;
 mod transfers;
+mod verify;
 
 use engine_thread::DecodeCore;
 
@@ -259,6 +260,8 @@ impl Actor for DecodeWorker {
                 threshold: settings.disagg_threshold,
                 transfer_timeout: settings.transfer_timeout,
                 checksum: settings.kv_checksum,
+                verify_step_bytes: settings.kv_verify_step_bytes,
+                checks: VecDeque::new(),
                 hold_done: Duration::from_millis(
                     std::env::var("DUET_FAULT_HOLD_DONE_MS")
                         .ok()

@@ -4,15 +4,14 @@
 //! back only once the revoke of its grant is proven (see `duet_transport::grants`).
 
 use std::collections::VecDeque;
-use std::time::Instant;
 
 use duet_engine::sampling::Sampled;
-use duet_gpu::{KvLayout, PageId, PoolMemory};
 use duet_runtime::metrics as m;
 use duet_transport::AbortReason;
 
-use super::attempts::{At, Attempts, Done, Effect, Ended, Limits};
+use super::attempts::{At, Attempts, Done, Effect, Ended, Fenced, Limits};
 use super::engine_thread::{DecodeCore, Prealloc, Transfer};
+use super::verify::{self, Verdict};
 use super::{receiver, stale};
 use crate::history;
 use crate::protocol::{
@@ -305,34 +304,103 @@ impl DecodeCore {
         true
     }
 
-    /// The KV is complete: publish it and start decoding with P's first token.
+    /// Prefill's Done: every write landed. The attempt is fenced (its revoke proven) and its
+    /// KV checked against prefill's checksums, at once or over the next turns
+    /// ([`super::verify`]); then it is published and decoding starts with P's first token.
     pub(super) fn done(
         &mut self,
         node: String,
         d: TransferDone,
         items: &mut Vec<(String, TokenItem)>,
     ) {
-        let now = self.now_ms();
-        let pool = &mut self.runner.engine.pool;
-        let (memory, layout) = (pool.memory(), *pool.layout());
-        let checksum = self.checksum;
+        let (transfers, mut at) = self.attempts();
         // Revoked first (as everywhere): no write of the attempt can land once the pages are
         // checked and change hands. Prefill fenced before its done, so no claim is held; one
         // that is means a writer still copies into these pages: never published.
-        let done = self.transfers.done(
-            &node,
-            d.room,
-            d.attempt,
-            &mut At {
-                now_ms: now,
-                fence: &mut self.grants,
-                alloc: &mut pool.alloc,
-            },
-            |o| match checksum {
-                true => verify(&memory, &layout, &o.grant, &d),
-                false => Ok(()),
-            },
-        );
+        match transfers.fence(&node, d.room, d.attempt, &mut at) {
+            Fenced::Fenced => {}
+            Fenced::Stale => return stale("done"), // aborted meanwhile, or a duplicate
+            Fenced::Landing(e) => {
+                tracing::error!(
+                    room = d.room,
+                    attempt = e.attempt,
+                    "a writer still holds a complete transfer's claim"
+                );
+                self.ended(&e);
+                let why = "a write was still landing after prefill's fence";
+                return self.fail(e.item.seq, ServingError::BadKv(why.into()), items);
+            }
+        }
+        if !self.checksum {
+            return self.publish(node, d, Ok(()), items);
+        }
+        let grant = self
+            .transfers
+            .get(&node, d.room)
+            .map(|o| o.grant.as_slice());
+        match grant.map(|g| verify::covers(g, &d)) {
+            Some(Err(why)) => self.publish(node, d, Err(why), items),
+            _ => self.checks.push_back(verify::Check::new(node, d)),
+        }
+    }
+
+    /// Checks the fenced transfers' KV, oldest first: all of it when nothing runs, else up to
+    /// the turn's share (`serving.kv_verify_step_mib`) before the step. Each one that passes
+    /// or fails is published or refused.
+    pub(super) fn check_landed(&mut self, items: &mut Vec<(String, TokenItem)>) {
+        let pool = &self.runner.engine.pool;
+        let (memory, layout) = (pool.memory(), *pool.layout());
+        let mut budget = match self.runner.scheduler.is_idle() {
+            true => usize::MAX,
+            false => (self.verify_step_bytes / layout.page_bytes()).max(1),
+        };
+        while let Some(c) = self.checks.front_mut() {
+            // A cancel ended it: its pages may be another sequence's already.
+            let current = self
+                .transfers
+                .get(&c.node, c.done.room)
+                .is_some_and(|o| o.attempt == c.done.attempt && o.fenced);
+            let verdict = match current {
+                true => c.advance(&memory, &layout, &mut budget),
+                false => Verdict::Failed(String::new()),
+            };
+            if verdict == Verdict::Pending {
+                return;
+            }
+            let Some(c) = self.checks.pop_front() else {
+                return;
+            };
+            if !current {
+                stale("check");
+                continue;
+            }
+            metrics::histogram!(m::KV_VERIFY).record(c.spent.as_secs_f64());
+            tracing::debug!(
+                room = c.done.room,
+                attempt = c.done.attempt,
+                turns = c.turns,
+                ms = c.spent.as_secs_f64() * 1e3,
+                "KV checked"
+            );
+            let result = match verdict {
+                Verdict::Failed(why) => Err(why),
+                _ => Ok(()),
+            };
+            self.publish(c.node, c.done, result, items);
+        }
+    }
+
+    /// A fenced transfer whose check is `checked`: publish it and start decoding with P's
+    /// first token, or refuse it.
+    fn publish(
+        &mut self,
+        node: String,
+        d: TransferDone,
+        checked: Result<(), String>,
+        items: &mut Vec<(String, TokenItem)>,
+    ) {
+        let (transfers, mut at) = self.attempts();
+        let done = transfers.publish(&node, d.room, d.attempt, &mut at, |_| checked);
         let (t, pages, held, attempt, latency_ms) = match done {
             Done::Published {
                 item,
@@ -346,11 +414,7 @@ impl DecodeCore {
                 return; // aborted meanwhile, or a duplicate
             }
             Done::Landing(e) => {
-                tracing::error!(
-                    room = d.room,
-                    attempt = e.attempt,
-                    "a writer still holds a complete transfer's claim"
-                );
+                // `publish` never revokes; kept for the type's sake.
                 self.ended(&e);
                 let why = "a write was still landing after prefill's fence";
                 self.fail(e.item.seq, ServingError::BadKv(why.into()), items);
@@ -521,37 +585,4 @@ impl DecodeCore {
             self.fail(seq, ServingError::NoPages(limit), items);
         }
     }
-}
-
-/// Checks that prefill's checksums cover every page of the transfer and match the bytes that
-/// landed here.
-fn verify(
-    memory: &PoolMemory,
-    layout: &KvLayout,
-    grant: &[PageId],
-    d: &TransferDone,
-) -> Result<(), String> {
-    let start = Instant::now();
-    let mut covered: Vec<PageId> = d.checksums.iter().flat_map(|c| c.pages.clone()).collect();
-    covered.sort_unstable();
-    let mut want = grant.to_vec();
-    want.sort_unstable();
-    if covered != want {
-        return Err(format!(
-            "checksums cover {} of the {} pages written",
-            covered.len(),
-            want.len()
-        ));
-    }
-    for c in &d.checksums {
-        let got = duet_transport::pages_crc(memory, layout, &c.pages).map_err(|e| e.to_string())?;
-        if got != c.crc {
-            return Err(format!(
-                "checksum mismatch on pages {:?}: prefill sent {:#010x}, decode holds {got:#010x}",
-                c.pages, c.crc
-            ));
-        }
-    }
-    metrics::histogram!(m::KV_VERIFY).record(start.elapsed().as_secs_f64());
-    Ok(())
 }
