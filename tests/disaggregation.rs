@@ -588,6 +588,60 @@ async fn a_corrupted_run_is_caught_by_the_checksum_and_never_served() {
     assert_pools_whole(&c).await;
 }
 
+/// A transfer's check spread over decode's steps: at 1 MiB a step (one f32 page here) while a
+/// stream runs, the long prompt's 7 pages take 7 steps; its KV is published only once every
+/// page passed, and both outputs are the colocated engine's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_check_spread_over_decode_steps_publishes_the_exact_kv() {
+    let model_path = real_model();
+    let model = Model::open(&model_path).expect("model");
+    let steady = prompt_ids_from(&model, 200, 20);
+    let long = prompt_ids(&model, 3 * CHUNK + 5);
+    let params = |max_tokens| SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let want_steady = colocated(&model_path, std::slice::from_ref(&steady), &params(300));
+    let want_long = colocated(&model_path, std::slice::from_ref(&long), &params(6));
+    let http = free_ports(1)[0];
+    let c = ClusterDir::new(
+        &[("router", "router"), ("p0", "prefill"), ("d0", "decode")],
+        &serving(&model_path, http, "kv_verify_step_mib = 1\n"),
+    );
+    let _up = Running::up(&c.config).await;
+    ready(http).await;
+    let token = c.token();
+    let body = json!({"prompt": steady, "max_tokens": 300, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut stream = Stream::open(http, body);
+    stream.until(3).await;
+    let (code, v) = complete(
+        http,
+        json!({"prompt": long, "max_tokens": 6, "temperature": 0, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(text_of(&v), want_long[0]);
+    assert!(
+        !stream.done,
+        "the stream ended before the long prompt's check"
+    );
+    stream.until(usize::MAX).await;
+    assert_eq!(stream.error, None);
+    assert_eq!(stream.text, want_steady[0]);
+    let d0 = c.admin("d0");
+    let checks = metric(d0, &token, "duet_kv_verify_turns_count", "").await;
+    let turns = metric(d0, &token, "duet_kv_verify_turns_sum", "").await;
+    // The stream's own check ran with nothing else running: one turn, all at once.
+    assert_eq!(
+        (checks, turns),
+        (2.0, 8.0),
+        "checks, and the turns they took"
+    );
+    assert_pools_whole(&c).await;
+}
+
 /// A streamed completion read event by event: its text, its token count, and an error event
 /// if one came.
 struct Stream {

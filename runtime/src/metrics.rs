@@ -111,8 +111,11 @@ pub const KV_PAGES_USED: &str = "duet_kv_pages_used";
 pub const TRANSFER_ABORTS: &str = "duet_transfer_aborts_total";
 /// Transfers whose KV failed decode's checksum (never published).
 pub const KV_CHECKSUM_FAILURES: &str = "duet_kv_checksum_failures_total";
-/// Seconds decode spent checking one transfer's checksums.
+/// Seconds decode spent checking one transfer's checksums (hashing, summed over its turns).
 pub const KV_VERIFY: &str = "duet_kv_verify_seconds";
+/// Engine turns decode's check of one transfer's checksums took: 1 unless it was spread over
+/// steps while sequences ran (`serving.kv_verify_step_mib` a step).
+pub const KV_VERIFY_TURNS: &str = "duet_kv_verify_turns";
 /// Seconds prefill spent writing one request's KV (all its writes and the final fence).
 pub const TRANSFER_WRITE: &str = "duet_transfer_write_seconds";
 /// KV bytes written by prefill, by `backend`.
@@ -191,6 +194,7 @@ pub fn install() -> PrometheusHandle {
                 REQUEST_GENERATION_TOKENS,
                 ENGINE_STEP_TOKENS,
                 ENGINE_STEP_ATTENDED,
+                KV_VERIFY_TURNS,
             ];
             let builder = counts.iter().fold(
                 PrometheusBuilder::new()

@@ -375,6 +375,7 @@ impl DecodeCore {
                 continue;
             }
             metrics::histogram!(m::KV_VERIFY).record(c.spent.as_secs_f64());
+            metrics::histogram!(m::KV_VERIFY_TURNS).record(c.turns as f64);
             tracing::debug!(
                 room = c.done.room,
                 attempt = c.done.attempt,
