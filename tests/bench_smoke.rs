@@ -68,6 +68,22 @@ async fn the_interference_experiment_writes_every_field() {
             steps["attended_mean"].as_f64() >= steps["tokens_mean"].as_f64(),
             "{mode}: {steps}"
         );
+        // Disaggregated decode checked every transfer's KV, each in one turn or more, and
+        // the colocated one received none.
+        let checks = steps["kv_checks"].as_u64();
+        if mode == "disaggregated" {
+            assert!(
+                checks > Some(0) && checks >= m["long_prompts"].as_u64(),
+                "{mode}: {steps}"
+            );
+            assert!(
+                steps["kv_check_turns_mean"].as_f64() >= Some(1.0),
+                "{steps}"
+            );
+            assert!(steps["kv_check_ms_mean"].as_f64() > Some(0.0), "{steps}");
+        } else {
+            assert_eq!(checks, Some(0), "{mode}: {steps}");
+        }
         // Every request, each gap with its time: the series the plots draw.
         let requests = v["requests"][mode].as_array().expect("requests per mode");
         assert!(

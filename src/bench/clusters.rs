@@ -24,6 +24,12 @@ pub struct DecodeSteps {
     pub tokens_mean: f64,
     /// KV positions attended per step, mean (what the attention grows with).
     pub attended_mean: f64,
+    /// Transfers whose KV decode checked against prefill's checksums.
+    pub kv_checks: u64,
+    /// Time one check spent hashing, mean, ms (summed over its turns).
+    pub kv_check_ms_mean: f64,
+    /// Engine turns one check was spread over, mean (`serving.kv_verify_step_mib` a step).
+    pub kv_check_turns_mean: f64,
 }
 
 impl DecodeSteps {
@@ -35,13 +41,24 @@ impl DecodeSteps {
                 .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
                 .sum::<f64>()
         };
+        // The worker's own series (no role label).
+        let unlabelled = |name: &str| {
+            let series = format!("{name} ");
+            text.lines()
+                .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
+                .sum::<f64>()
+        };
         let steps = value(&format!("{}_count", m::ENGINE_STEP));
-        let per_step = |total: f64| if steps > 0.0 { total / steps } else { 0.0 };
+        let per = |total: f64, n: f64| if n > 0.0 { total / n } else { 0.0 };
+        let checks = unlabelled(&format!("{}_count", m::KV_VERIFY));
         DecodeSteps {
             steps: steps as u64,
-            mean_ms: per_step(value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3),
-            tokens_mean: per_step(value(&format!("{}_sum", m::ENGINE_STEP_TOKENS))),
-            attended_mean: per_step(value(&format!("{}_sum", m::ENGINE_STEP_ATTENDED))),
+            mean_ms: per(value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3, steps),
+            tokens_mean: per(value(&format!("{}_sum", m::ENGINE_STEP_TOKENS)), steps),
+            attended_mean: per(value(&format!("{}_sum", m::ENGINE_STEP_ATTENDED)), steps),
+            kv_checks: checks as u64,
+            kv_check_ms_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY)) * 1e3, checks),
+            kv_check_turns_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY_TURNS)), checks),
         }
     }
 }

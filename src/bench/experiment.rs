@@ -242,6 +242,11 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
         ratio(d.ttft_p50_ms, alone_ms),
         d.ttft_p50_ms - alone_ms
     );
+    let k = d.decode_steps;
+    println!(
+        "  disaggregated decode checked {} transfers' KV: {:.2} ms hashing each over {:.1} engine turns (means; at most serving.kv_verify_step_mib a step while sequences run)",
+        k.kv_checks, k.kv_check_ms_mean, k.kv_check_turns_mean
+    );
     if let Some(path) = &args.json {
         let out = json!({
             "experiment": "interference",
