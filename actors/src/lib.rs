@@ -40,6 +40,9 @@ pub mod router;
 pub mod settings;
 pub mod worker;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 /// The serving actors a node of `role` runs under its role supervisor.
 pub fn role_children(ctx: &Arc<NodeContext>) -> Vec<ChildSpec> {
     let c = ctx.clone();

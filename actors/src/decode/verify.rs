@@ -128,20 +128,11 @@ impl Check {
 #[cfg(test)]
 mod tests {
     use duet_engine::sampling::SamplerState;
-    use duet_gpu::{KvDtype, KvPool};
+    use duet_gpu::KvPool;
 
     use super::*;
     use crate::protocol::RunChecksum;
-
-    fn layout() -> KvLayout {
-        KvLayout {
-            n_layers: 2,
-            n_kv_heads: 1,
-            head_dim: 8,
-            page_size: 4,
-            dtype: KvDtype::F32,
-        }
-    }
+    use crate::testing::small_layout as layout;
 
     /// A pool whose 8 pages all differ, and a Done whose runs are `runs` with their CRCs.
     fn landed(runs: &[&[PageId]]) -> (KvPool, TransferDone) {

@@ -1,20 +1,11 @@
 //! The lane against a real TCP receiver as decode's end.
 
-use duet_gpu::{KvDtype, KvLayout, KvPool};
+use duet_gpu::KvPool;
 use duet_transport::{FrameEvent, Grants, TcpReceiver, coalesce};
 
 use super::*;
 use crate::outbox::Outgoing;
-
-fn layout() -> KvLayout {
-    KvLayout {
-        n_layers: 2,
-        n_kv_heads: 1,
-        head_dim: 8,
-        page_size: 4,
-        dtype: KvDtype::F32,
-    }
-}
+use crate::testing::small_layout as layout;
 
 #[test]
 fn a_lane_skips_a_cancelled_attempts_writes_and_lands_the_live_ones_behind_them() {
