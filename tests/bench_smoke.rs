@@ -84,6 +84,19 @@ async fn the_interference_experiment_writes_every_field() {
         } else {
             assert_eq!(checks, Some(0), "{mode}: {steps}");
         }
+        // The prefill worker computed every long prompt (colocated has none).
+        let prefill = &m["prefill_steps"];
+        let long_tokens = m["long_prompts"]
+            .as_u64()
+            .zip(m["params"]["long_prompt"].as_u64());
+        let want = long_tokens.map(|(n, len)| n * len);
+        match mode {
+            "disaggregated" => {
+                assert!(prefill["tokens"].as_u64() >= want, "{prefill}");
+                assert!(prefill["busy_ms"].as_f64() > Some(0.0), "{prefill}");
+            }
+            _ => assert_eq!(prefill["tokens"].as_u64(), Some(0), "{prefill}"),
+        }
         // Every request, each gap with its time: the series the plots draw.
         let requests = v["requests"][mode].as_array().expect("requests per mode");
         assert!(

@@ -1,6 +1,7 @@
 //! The clusters the interference experiment starts and stops itself, one `duet node`
 //! process per node (workers pinned to a core each where `taskset` is installed), and what it
-//! reads from them before they stop: the decode worker's engine steps.
+//! reads from them before they stop: the decode worker's engine steps and KV checks, and the
+//! prefill worker's engine time.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -35,12 +36,7 @@ pub struct DecodeSteps {
 impl DecodeSteps {
     /// From a node's Prometheus text (zero where the node computed nothing).
     fn from_metrics(text: &str) -> DecodeSteps {
-        let value = |name: &str| {
-            let series = format!("{name}{{role=\"decode\"}} ");
-            text.lines()
-                .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
-                .sum::<f64>()
-        };
+        let value = |name: &str| labelled(text, name, "decode");
         // The worker's own series (no role label).
         let unlabelled = |name: &str| {
             let series = format!("{name} ");
@@ -61,6 +57,45 @@ impl DecodeSteps {
             kv_check_turns_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY_TURNS)), checks),
         }
     }
+}
+
+/// The prefill worker's engine steps over one run (zero when there is none: colocated):
+/// what a prompt's prefill costs inside the cluster, beside the same prompt alone.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PrefillSteps {
+    /// Steps computed.
+    pub steps: u64,
+    /// Their time, summed, ms.
+    pub busy_ms: f64,
+    /// Prompt tokens they computed.
+    pub tokens: u64,
+}
+
+impl PrefillSteps {
+    fn from_metrics(text: &str) -> PrefillSteps {
+        let value = |name: &str| labelled(text, name, "prefill");
+        PrefillSteps {
+            steps: value(&format!("{}_count", m::ENGINE_STEP)) as u64,
+            busy_ms: value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3,
+            tokens: value(&format!("{}_sum", m::ENGINE_STEP_TOKENS)) as u64,
+        }
+    }
+
+    /// What `tokens` prompt tokens took on average inside the cluster, ms.
+    pub fn ms_for(&self, tokens: usize) -> f64 {
+        match self.tokens {
+            0 => 0.0,
+            n => self.busy_ms / n as f64 * tokens as f64,
+        }
+    }
+}
+
+/// The sum of a series `name{role="..."}` in a node's Prometheus text.
+fn labelled(text: &str, name: &str, role: &str) -> f64 {
+    let series = format!("{name}{{role=\"{role}\"}} ");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
+        .sum::<f64>()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,23 +238,30 @@ impl Cluster {
     /// The decode worker's steps so far (zero if its metrics cannot be read: the run's other
     /// figures stand without them).
     pub(super) async fn decode_steps(&self) -> DecodeSteps {
-        use duet_runtime::config::{ClusterConfig, Role};
-        let Ok(config) = ClusterConfig::load(&self.config) else {
-            return DecodeSteps::default();
-        };
-        let (Some(decode), Ok(creds)) = (
-            config.nodes.iter().find(|n| n.role == Role::Decode),
-            duet_runtime::credentials::Credentials::load(&config.credentials),
-        ) else {
-            return DecodeSteps::default();
-        };
-        let token = creds.token.expose();
-        match duet_runtime::admin::client::metrics_text(decode.admin, token, Duration::from_secs(5))
+        use duet_runtime::config::Role;
+        self.metrics_of(Role::Decode)
             .await
-        {
-            Ok(text) => DecodeSteps::from_metrics(&text),
-            Err(_) => DecodeSteps::default(),
-        }
+            .map_or_else(DecodeSteps::default, |t| DecodeSteps::from_metrics(&t))
+    }
+
+    /// The prefill worker's steps so far (zero without one, or if its metrics cannot be read).
+    pub(super) async fn prefill_steps(&self) -> PrefillSteps {
+        use duet_runtime::config::Role;
+        self.metrics_of(Role::Prefill)
+            .await
+            .map_or_else(PrefillSteps::default, |t| PrefillSteps::from_metrics(&t))
+    }
+
+    /// The Prometheus text of the cluster's first node of `role`, from its admin API.
+    async fn metrics_of(&self, role: duet_runtime::config::Role) -> Option<String> {
+        use duet_runtime::config::ClusterConfig;
+        let config = ClusterConfig::load(&self.config).ok()?;
+        let node = config.nodes.iter().find(|n| n.role == role)?;
+        let creds = duet_runtime::credentials::Credentials::load(&config.credentials).ok()?;
+        let token = creds.token.expose();
+        duet_runtime::admin::client::metrics_text(node.admin, token, Duration::from_secs(5))
+            .await
+            .ok()
     }
 
     pub(super) async fn stop(mut self) {

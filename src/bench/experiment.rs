@@ -22,7 +22,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::json;
 
-use super::clusters::{Cluster, DecodeSteps, Mode, pinned};
+use super::clusters::{Cluster, DecodeSteps, Mode, PrefillSteps, pinned};
 use super::stats::{self, RequestRecord};
 use super::{Ask, BenchArgs, client, plots, prompt, write_json};
 
@@ -84,6 +84,8 @@ pub struct ModeResult {
     pub long_prompts: usize,
     /// The decode worker's engine steps over the run, from its own metrics.
     pub decode_steps: DecodeSteps,
+    /// The prefill worker's engine steps over the run (none colocated).
+    pub prefill_steps: PrefillSteps,
     /// The parameters used.
     pub params: Params,
 }
@@ -168,8 +170,9 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
         );
         let (records, seconds) = workload(cluster.http, &p).await;
         let steps = cluster.decode_steps().await;
+        let prefill = cluster.prefill_steps().await;
         cluster.stop().await;
-        let result = result_of(&records, seconds, steps, &p);
+        let result = result_of(&records, seconds, (steps, prefill), &p);
         eprintln!(
             "{}: ITL p50 {:.1} ms p99 {:.1} ms, long-prompt TTFT p50 {:.0} ms p99 {:.0} ms, {:.1} tok/s",
             mode.name(),
@@ -241,6 +244,13 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
         d.ttft_p50_ms,
         ratio(d.ttft_p50_ms, alone_ms),
         d.ttft_p50_ms - alone_ms
+    );
+    let in_cluster = d.prefill_steps.ms_for(p.long_prompt);
+    println!(
+        "  disaggregated prefill worker: {in_cluster:.0} ms of engine steps per {}-token prompt inside the cluster ({:.2}x alone: its steps' time over the prompt tokens they computed); the {:.0} ms left of TTFT p50 wait for the worker, finish the transfer, check it and take the first decode step",
+        p.long_prompt,
+        ratio(in_cluster, alone_ms),
+        d.ttft_p50_ms - in_cluster
     );
     let k = d.decode_steps;
     println!(
@@ -323,7 +333,7 @@ async fn prefill_alone(p: &Params) -> Result<f64, String> {
 fn result_of(
     records: &[RequestRecord],
     seconds: f64,
-    decode_steps: DecodeSteps,
+    (decode_steps, prefill_steps): (DecodeSteps, PrefillSteps),
     p: &Params,
 ) -> ModeResult {
     let steady: Vec<RequestRecord> = records
@@ -360,6 +370,7 @@ fn result_of(
         failed: all.failed,
         long_prompts: long.len(),
         decode_steps,
+        prefill_steps,
         params: p.clone(),
     }
 }
