@@ -360,20 +360,18 @@ impl DecodeCore {
                 .transfers
                 .get(&c.node, c.done.room)
                 .is_some_and(|o| o.attempt == c.done.attempt && o.fenced);
-            let verdict = match current {
-                true => c.advance(&memory, &layout, &mut budget),
-                false => Verdict::Failed(String::new()),
-            };
+            if !current {
+                self.checks.pop_front();
+                stale("check");
+                continue;
+            }
+            let verdict = c.advance(&memory, &layout, &mut budget);
             if verdict == Verdict::Pending {
                 return;
             }
             let Some(c) = self.checks.pop_front() else {
                 return;
             };
-            if !current {
-                stale("check");
-                continue;
-            }
             metrics::histogram!(m::KV_VERIFY).record(c.spent.as_secs_f64());
             metrics::histogram!(m::KV_VERIFY_TURNS).record(c.turns as f64);
             tracing::debug!(
