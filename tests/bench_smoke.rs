@@ -68,6 +68,18 @@ async fn the_interference_experiment_writes_every_field() {
             steps["attended_mean"].as_f64() >= steps["tokens_mean"].as_f64(),
             "{mode}: {steps}"
         );
+        // The step times' quantiles from the decode worker's histogram, and the router's
+        // gaps from its own: in order, and the router's no shorter than a real gap.
+        let (p50, p99) = (steps["step_p50_ms"].as_f64(), steps["step_p99_ms"].as_f64());
+        assert!(p50 > Some(0.0) && p99 >= p50, "{mode}: {steps}");
+        let router = &m["router_itl"];
+        let (r50, r99) = (router["p50_ms"].as_f64(), router["p99_ms"].as_f64());
+        assert!(r50 > Some(0.0) && r99 >= r50, "{mode}: {router}");
+        // The host's steal, a share, where the kernel says it (every Linux CI runner).
+        if std::path::Path::new("/proc/stat").exists() {
+            let steal = m["host_steal"].as_f64();
+            assert!(steal >= Some(0.0) && steal < Some(1.0), "{mode}: {m}");
+        }
         // Disaggregated decode checked every transfer's KV, each in one turn or more, and
         // the colocated one received none.
         let checks = steps["kv_checks"].as_u64();
@@ -106,6 +118,11 @@ async fn the_interference_experiment_writes_every_field() {
     }
     // The disaggregated TTFT's floor: the long prompt's prefill alone, and the ratio to it.
     assert!(v["prefill_alone_ms"].as_f64() > Some(0.0), "{v}");
+    // Measured before the runs and after them; the ratios use the median of both sets.
+    let alone = &v["prefill_alone"];
+    let (b, a) = (alone["before_ms"].as_f64(), alone["after_ms"].as_f64());
+    assert!(b > Some(0.0) && a > Some(0.0), "{alone}");
+    assert_eq!(alone["ms"], v["prefill_alone_ms"], "{alone}");
     assert!(
         v["ratios"]["ttft_p50_disaggregated_over_prefill_alone"].as_f64() > Some(0.0),
         "{v}"

@@ -12,6 +12,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use duet_runtime::metrics as m;
 
 use super::experiment::Params;
+use super::prom::{labelled, quantile};
+
+/// The decode worker's series' labels.
+const DECODE: &str = "role=\"decode\"";
 
 /// The decode worker's engine steps over one run (its `duet_engine_step_*` metrics, read
 /// from its admin API before the cluster stops): what a steady sequence's gap is made of.
@@ -25,6 +29,11 @@ pub struct DecodeSteps {
     pub tokens_mean: f64,
     /// KV positions attended per step, mean (what the attention grows with).
     pub attended_mean: f64,
+    /// Step time, p50, ms (from the histogram's 10 % buckets).
+    pub step_p50_ms: f64,
+    /// Step time, p99, ms: over the p50, the jitter the engine itself shows, beside the gaps
+    /// the clients saw.
+    pub step_p99_ms: f64,
     /// Transfers whose KV decode checked against prefill's checksums.
     pub kv_checks: u64,
     /// Time one check spent hashing, mean, ms (summed over its turns).
@@ -36,7 +45,7 @@ pub struct DecodeSteps {
 impl DecodeSteps {
     /// From a node's Prometheus text (zero where the node computed nothing).
     fn from_metrics(text: &str) -> DecodeSteps {
-        let value = |name: &str| labelled(text, name, "decode");
+        let value = |name: &str| labelled(text, name, DECODE);
         // The worker's own series (no role label).
         let unlabelled = |name: &str| {
             let series = format!("{name} ");
@@ -47,14 +56,38 @@ impl DecodeSteps {
         let steps = value(&format!("{}_count", m::ENGINE_STEP));
         let per = |total: f64, n: f64| if n > 0.0 { total / n } else { 0.0 };
         let checks = unlabelled(&format!("{}_count", m::KV_VERIFY));
+        let step_ms = |q| quantile(text, m::ENGINE_STEP, DECODE, q).map_or(0.0, |s| s * 1e3);
         DecodeSteps {
             steps: steps as u64,
             mean_ms: per(value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3, steps),
             tokens_mean: per(value(&format!("{}_sum", m::ENGINE_STEP_TOKENS)), steps),
             attended_mean: per(value(&format!("{}_sum", m::ENGINE_STEP_ATTENDED)), steps),
+            step_p50_ms: step_ms(0.5),
+            step_p99_ms: step_ms(0.99),
             kv_checks: checks as u64,
             kv_check_ms_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY)) * 1e3, checks),
             kv_check_turns_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY_TURNS)), checks),
+        }
+    }
+}
+
+/// The gaps between a stream's tokens as the router forwarded them, every stream's
+/// (`duet_router_itl_seconds`): the decode step plus the hop to the router, without the HTTP
+/// hop to the client.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct RouterItl {
+    /// p50, ms.
+    pub p50_ms: f64,
+    /// p99, ms.
+    pub p99_ms: f64,
+}
+
+impl RouterItl {
+    fn from_metrics(text: &str) -> RouterItl {
+        let ms = |q| quantile(text, m::ROUTER_ITL, "", q).map_or(0.0, |s| s * 1e3);
+        RouterItl {
+            p50_ms: ms(0.5),
+            p99_ms: ms(0.99),
         }
     }
 }
@@ -73,7 +106,7 @@ pub struct PrefillSteps {
 
 impl PrefillSteps {
     fn from_metrics(text: &str) -> PrefillSteps {
-        let value = |name: &str| labelled(text, name, "prefill");
+        let value = |name: &str| labelled(text, name, "role=\"prefill\"");
         PrefillSteps {
             steps: value(&format!("{}_count", m::ENGINE_STEP)) as u64,
             busy_ms: value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3,
@@ -88,14 +121,6 @@ impl PrefillSteps {
             n => self.busy_ms / n as f64 * tokens as f64,
         }
     }
-}
-
-/// The sum of a series `name{role="..."}` in a node's Prometheus text.
-fn labelled(text: &str, name: &str, role: &str) -> f64 {
-    let series = format!("{name}{{role=\"{role}\"}} ");
-    text.lines()
-        .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
-        .sum::<f64>()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,6 +267,14 @@ impl Cluster {
         self.metrics_of(Role::Decode)
             .await
             .map_or_else(DecodeSteps::default, |t| DecodeSteps::from_metrics(&t))
+    }
+
+    /// The router's inter-token gaps so far (zero if its metrics cannot be read).
+    pub(super) async fn router_itl(&self) -> RouterItl {
+        use duet_runtime::config::Role;
+        self.metrics_of(Role::Router)
+            .await
+            .map_or_else(RouterItl::default, |t| RouterItl::from_metrics(&t))
     }
 
     /// The prefill worker's steps so far (zero without one, or if its metrics cannot be read).

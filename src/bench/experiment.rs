@@ -22,7 +22,8 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::json;
 
-use super::clusters::{Cluster, DecodeSteps, Mode, PrefillSteps, pinned};
+use super::clusters::{Cluster, DecodeSteps, Mode, PrefillSteps, RouterItl, pinned};
+use super::host::CpuTimes;
 use super::stats::{self, RequestRecord};
 use super::{Ask, BenchArgs, client, plots, prompt, write_json};
 
@@ -86,6 +87,11 @@ pub struct ModeResult {
     pub decode_steps: DecodeSteps,
     /// The prefill worker's engine steps over the run (none colocated).
     pub prefill_steps: PrefillSteps,
+    /// Every stream's gaps as the router forwarded them, from its own metrics.
+    pub router_itl: RouterItl,
+    /// The share of the cores' time the hypervisor stole during the load (0-1; `None` where
+    /// the kernel does not say).
+    pub host_steal: Option<f64>,
     /// The parameters used.
     pub params: Params,
 }
@@ -150,11 +156,14 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
     let p = params(args, &model);
     // What the long prompt costs the prefill worker's core with nothing else running: the
     // floor of its TTFT when disaggregated (the rest is queueing, transfer and the first
-    // decode step).
-    let alone_ms = prefill_alone(&p).await?;
+    // decode step). Measured before the runs and again after them: the host's speed drifts
+    // over the minutes between (by a fifth on a shared guest), and the ratios take the
+    // median of all six.
+    let before = prefill_alone(&p).await?;
     eprintln!(
-        "a {}-token prompt alone on core 0 (1 thread, the engine in its own process): {alone_ms:.0} ms",
-        p.long_prompt
+        "a {}-token prompt alone on core 0 (1 thread, the engine in its own process): {:.0} ms",
+        p.long_prompt,
+        median(&before)
     );
     let mut runs = Vec::new();
     for mode in [Mode::Colocated, Mode::Disaggregated] {
@@ -168,11 +177,17 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             p.long_prompt,
             p.period_s
         );
+        let before = CpuTimes::now();
         let (records, seconds) = workload(cluster.http, &p).await;
-        let steps = cluster.decode_steps().await;
-        let prefill = cluster.prefill_steps().await;
+        let nodes = FromNodes {
+            decode_steps: cluster.decode_steps().await,
+            prefill_steps: cluster.prefill_steps().await,
+            router_itl: cluster.router_itl().await,
+            host_steal: before.zip(CpuTimes::now()).map(|(b, a)| b.steal_until(&a)),
+        };
         cluster.stop().await;
-        let result = result_of(&records, seconds, (steps, prefill), &p);
+        let steps = nodes.decode_steps;
+        let result = result_of(&records, seconds, nodes, &p);
         eprintln!(
             "{}: ITL p50 {:.1} ms p99 {:.1} ms, long-prompt TTFT p50 {:.0} ms p99 {:.0} ms, {:.1} tok/s",
             mode.name(),
@@ -196,6 +211,13 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             result,
         });
     }
+    let after = prefill_alone(&p).await?;
+    let alone = Alone {
+        before_ms: median(&before),
+        after_ms: median(&after),
+        ms: median(&[before, after].concat()),
+    };
+    let alone_ms = alone.ms;
     let (c, d) = (&runs[0].result, &runs[1].result);
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
     println!(
@@ -239,6 +261,30 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
         ratio(d.itl_p999_ms, c.itl_p999_ms),
         ratio(d.itl_max_ms, c.itl_max_ms)
     );
+    for r in &runs {
+        let (s, i, g) = (r.result.decode_steps, r.result.router_itl, &r.result);
+        println!(
+            "  {:<14} p99/p50: decode steps {:.2} ({:.1} / {:.1} ms), the router's gaps {:.2} ({:.1} / {:.1} ms), the clients' {:.2}; the host stole {}",
+            r.name,
+            ratio(s.step_p99_ms, s.step_p50_ms),
+            s.step_p50_ms,
+            s.step_p99_ms,
+            ratio(i.p99_ms, i.p50_ms),
+            i.p50_ms,
+            i.p99_ms,
+            ratio(g.itl_p99_ms, g.itl_p50_ms),
+            g.host_steal.map_or("an unknown share".into(), |s| format!(
+                "{:.1} % of the cores' time",
+                s * 1e2
+            ))
+        );
+    }
+    println!(
+        "  the long prompt alone on core 0: {:.0} ms before the runs, {:.0} ms after them ({:.2}x); the ratios below use the median of the six, {alone_ms:.0} ms",
+        alone.before_ms,
+        alone.after_ms,
+        ratio(alone.after_ms, alone.before_ms)
+    );
     println!(
         "  disaggregated long-prompt TTFT p50 {:.0} ms = {:.2}x its prefill alone on the prefill worker's core ({alone_ms:.0} ms; target <= 1.2); the other {:.0} ms are queueing, transfer and the first decode step",
         d.ttft_p50_ms,
@@ -271,6 +317,7 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
                 "ttft_p50_disaggregated_over_prefill_alone": ratio(d.ttft_p50_ms, alone_ms),
             },
             "prefill_alone_ms": alone_ms,
+            "prefill_alone": alone,
             // Every request of each mode (as a plain run's `requests`): each gap with the
             // time it ended, to line the slow steps up with the long prompts' arrivals.
             "requests": {
@@ -288,9 +335,25 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// The median of three: the long prompt's time to first token in `duet generate`, pinned to
-/// core 0 (the disaggregated prefill worker's) with one thread, nothing else running.
-async fn prefill_alone(p: &Params) -> Result<f64, String> {
+/// The long prompt alone on the prefill worker's core, ms.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Alone {
+    /// The median of three before the runs.
+    before_ms: f64,
+    /// The median of three after them.
+    after_ms: f64,
+    /// The median of all six: what the ratios use.
+    ms: f64,
+}
+
+/// The median of `v` (the lower middle when even); 0 when empty.
+fn median(v: &[f64]) -> f64 {
+    stats::percentile(v, 0.5).unwrap_or(0.0)
+}
+
+/// Three times the long prompt's time to first token in `duet generate`, pinned to core 0
+/// (the disaggregated prefill worker's) with one thread, nothing else running.
+async fn prefill_alone(p: &Params) -> Result<Vec<f64>, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut rng = StdRng::seed_from_u64(p.seed.wrapping_add(1000));
     let ids: Vec<String> = prompt(&mut rng, p.long_prompt)
@@ -326,16 +389,18 @@ async fn prefill_alone(p: &Params) -> Result<f64, String> {
                 .ok_or("duet generate gave no ttft_ms")?,
         );
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[1])
+    Ok(times)
 }
 
-fn result_of(
-    records: &[RequestRecord],
-    seconds: f64,
-    (decode_steps, prefill_steps): (DecodeSteps, PrefillSteps),
-    p: &Params,
-) -> ModeResult {
+/// What a run read from its nodes and its host, beside what the clients measured.
+struct FromNodes {
+    decode_steps: DecodeSteps,
+    prefill_steps: PrefillSteps,
+    router_itl: RouterItl,
+    host_steal: Option<f64>,
+}
+
+fn result_of(records: &[RequestRecord], seconds: f64, nodes: FromNodes, p: &Params) -> ModeResult {
     let steady: Vec<RequestRecord> = records
         .iter()
         .filter(|r| r.class == "steady")
@@ -369,8 +434,10 @@ fn result_of(
         throughput_tok_s: all.throughput_tok_s,
         failed: all.failed,
         long_prompts: long.len(),
-        decode_steps,
-        prefill_steps,
+        decode_steps: nodes.decode_steps,
+        prefill_steps: nodes.prefill_steps,
+        router_itl: nodes.router_itl,
+        host_steal: nodes.host_steal,
         params: p.clone(),
     }
 }

@@ -12,7 +12,9 @@
 pub(crate) mod client;
 mod clusters;
 mod experiment;
+mod host;
 pub(crate) mod plots;
+mod prom;
 pub mod stats;
 
 use std::net::SocketAddr;
