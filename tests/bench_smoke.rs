@@ -111,6 +111,18 @@ async fn the_interference_experiment_writes_every_field() {
         }
         // Every request, each gap with its time: the series the plots draw.
         let requests = v["requests"][mode].as_array().expect("requests per mode");
+        // Every steady gap is in exactly one phase of the long prompts'.
+        let steady_gaps: usize = requests
+            .iter()
+            .filter(|r| r["class"] == "steady")
+            .filter_map(|r| r["itl"].as_array().map(Vec::len))
+            .sum();
+        let phases = &m["itl_by_phase"];
+        let in_phases: u64 = ["prefilling", "joining", "quiet"]
+            .iter()
+            .filter_map(|p| phases[p]["gaps"].as_u64())
+            .sum();
+        assert_eq!(in_phases, steady_gaps as u64, "{mode}: {phases}");
         assert!(
             requests.iter().any(|r| r["class"] == "steady"),
             "{mode}: no steady request"
