@@ -65,6 +65,10 @@ pub struct GenerateArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Most tokens one engine step computes: the prompt is prefilled in chunks of this many
+    /// (as `serving.max_batch_tokens` chunks it on a worker).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_batch_tokens: u32,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -220,7 +224,7 @@ fn run(args: GenerateArgs) -> Result<(), String> {
         options.threads = t.max(1);
     }
     let engine = Engine::new(model, options).map_err(|e| e.to_string())?;
-    let mut runner = Runner::new(engine, 512, 1);
+    let mut runner = Runner::new(engine, args.max_batch_tokens as usize, 1);
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,

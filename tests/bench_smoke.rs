@@ -24,8 +24,53 @@ async fn the_interference_experiment_writes_every_field() {
     ])
     .await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    // Both workers on this host: the KV went through shared memory, none over TCP.
     let v: Value =
         serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON")).expect("JSON");
+    assert_eq!(v["disaggregated"]["params"]["kv_transport"], "auto");
+    assert_eq!(v["disaggregated"]["decode_steps"]["kv_tcp_bytes"], 0, "{v}");
+    every_field(&v, &plots);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_interference_experiment_moves_kv_over_tcp_when_asked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("interference.json");
+    let plots = dir.path().join("plots");
+    let out = duet(&[
+        "bench",
+        "--experiment",
+        "interference",
+        "--quick",
+        "--kv-transport",
+        "tcp",
+        "--json",
+        path_str(&json),
+        "--plots",
+        path_str(&plots),
+    ])
+    .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON")).expect("JSON");
+    // Every long prompt's KV (at least its pages' worth) came over the decode worker's socket.
+    let bytes = v["disaggregated"]["decode_steps"]["kv_tcp_bytes"].as_u64();
+    assert!(bytes > Some(0), "{v}");
+    every_field(&v, &plots);
+    let wrong = duet(&[
+        "bench",
+        "--experiment",
+        "interference",
+        "--quick",
+        "--kv-transport",
+        "rdma",
+    ])
+    .await;
+    assert!(!wrong.status.success() && wrong.stderr.contains("--kv-transport"));
+}
+
+/// The fields every interference run's JSON holds, and its plots.
+fn every_field(v: &Value, plots: &std::path::Path) {
     for mode in ["colocated", "disaggregated"] {
         let m = &v[mode];
         for field in [

@@ -32,6 +32,15 @@ async fn generates_with_the_tiny_model() {
     assert_eq!(a["finish_reason"], "length");
     // Greedy is deterministic across runs.
     assert_eq!(json(&duet(&args).await)["token_ids"], a["token_ids"]);
+    // The prompt prefilled 3 tokens a step, as a worker chunks it, gives the same tokens.
+    let chunked = json(&duet(&[&args[..], &["--max-batch-tokens", "3"]].concat()).await);
+    assert_eq!(chunked["token_ids"], a["token_ids"]);
+    let zero = duet(&[&args[..], &["--max-batch-tokens", "0"]].concat()).await;
+    assert!(
+        !zero.status.success() && zero.stderr.contains("--max-batch-tokens"),
+        "{}",
+        zero.stderr
+    );
 }
 
 #[tokio::test]

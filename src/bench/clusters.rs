@@ -40,6 +40,8 @@ pub struct DecodeSteps {
     pub kv_check_ms_mean: f64,
     /// Engine turns one check was spread over, mean (`serving.kv_verify_step_mib` a step).
     pub kv_check_turns_mean: f64,
+    /// KV bytes that came over TCP (zero when prefill wrote through shared memory).
+    pub kv_tcp_bytes: u64,
 }
 
 impl DecodeSteps {
@@ -67,6 +69,7 @@ impl DecodeSteps {
             kv_checks: checks as u64,
             kv_check_ms_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY)) * 1e3, checks),
             kv_check_turns_mean: per(unlabelled(&format!("{}_sum", m::KV_VERIFY_TURNS)), checks),
+            kv_tcp_bytes: unlabelled(m::KV_BYTES_RECEIVED) as u64,
         }
     }
 }
@@ -172,11 +175,12 @@ impl Cluster {
         let threshold = (p.steady_prompt / 2).max(1);
         let mut text = format!(
             "[cluster]\nname = \"bench-{}\"\n\n[serving]\nmodel = \"{}\"\nhttp = \"{http}\"\n\
-             kv_pages = 1024\nmax_batch_tokens = {}\nmax_running = 64\ndisagg_threshold = {threshold}\n{tables}\n\
+             kv_pages = 1024\nmax_batch_tokens = {}\nmax_running = 64\ndisagg_threshold = {threshold}\nkv_transport = \"{}\"\n{tables}\n\
              [[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:{}\"\n",
             mode.name(),
             p.model,
             p.max_batch_tokens,
+            p.kv_transport,
             ports[1]
         );
         for (name, role, port, _) in &workers {

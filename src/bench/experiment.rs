@@ -52,6 +52,8 @@ pub struct Params {
     pub cores: usize,
     /// Seed of the prompts.
     pub seed: u64,
+    /// `serving.kv_transport` of both clusters (only the disaggregated one transfers).
+    pub kv_transport: String,
 }
 
 /// What one mode measured.
@@ -197,6 +199,7 @@ fn params(args: &BenchArgs, model: &Path) -> Params {
             max_batch_tokens: 32,
             cores,
             seed: args.seed,
+            kv_transport: args.kv_transport.clone(),
         }
     } else {
         Params {
@@ -211,6 +214,7 @@ fn params(args: &BenchArgs, model: &Path) -> Params {
             max_batch_tokens: 256,
             cores,
             seed: args.seed,
+            kv_transport: args.kv_transport.clone(),
         }
     }
 }

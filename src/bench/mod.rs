@@ -145,6 +145,10 @@ pub struct BenchArgs {
     /// Tokens of each shared system prompt.
     #[arg(long, default_value_t = 512)]
     pub prefix_len: usize,
+    /// How the interference experiment's prefill worker writes decode's pages
+    /// (`serving.kv_transport`: on one host `auto` is `shm`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "shm", "tcp"])]
+    pub kv_transport: String,
 }
 
 impl BenchArgs {
