@@ -9,54 +9,18 @@ use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_interference_experiment_writes_every_field() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let json = dir.path().join("interference.json");
-    let plots = dir.path().join("plots");
-    let out = duet(&[
-        "bench",
-        "--experiment",
-        "interference",
-        "--quick",
-        "--json",
-        path_str(&json),
-        "--plots",
-        path_str(&plots),
-    ])
-    .await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let v = quick_run(&[]).await;
     // Both workers on this host: the KV went through shared memory, none over TCP.
-    let v: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON")).expect("JSON");
     assert_eq!(v["disaggregated"]["params"]["kv_transport"], "auto");
     assert_eq!(v["disaggregated"]["decode_steps"]["kv_tcp_bytes"], 0, "{v}");
-    every_field(&v, &plots);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_interference_experiment_moves_kv_over_tcp_when_asked() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let json = dir.path().join("interference.json");
-    let plots = dir.path().join("plots");
-    let out = duet(&[
-        "bench",
-        "--experiment",
-        "interference",
-        "--quick",
-        "--kv-transport",
-        "tcp",
-        "--json",
-        path_str(&json),
-        "--plots",
-        path_str(&plots),
-    ])
-    .await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    let v: Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON")).expect("JSON");
-    // Every long prompt's KV (at least its pages' worth) came over the decode worker's socket.
+    let v = quick_run(&["--kv-transport", "tcp"]).await;
+    // Every long prompt's KV came over the decode worker's socket.
     let bytes = v["disaggregated"]["decode_steps"]["kv_tcp_bytes"].as_u64();
     assert!(bytes > Some(0), "{v}");
-    every_field(&v, &plots);
     let wrong = duet(&[
         "bench",
         "--experiment",
@@ -67,6 +31,23 @@ async fn the_interference_experiment_moves_kv_over_tcp_when_asked() {
     ])
     .await;
     assert!(!wrong.status.success() && wrong.stderr.contains("--kv-transport"));
+}
+
+/// `duet bench --experiment interference --quick` with `extra` flags: its JSON, checked for
+/// every field (and its plots).
+async fn quick_run(extra: &[&str]) -> Value {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("interference.json");
+    let plots = dir.path().join("plots");
+    let mut args = vec!["bench", "--experiment", "interference", "--quick"];
+    args.extend_from_slice(extra);
+    args.extend(["--json", path_str(&json), "--plots", path_str(&plots)]);
+    let out = duet(&args).await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON")).expect("JSON");
+    every_field(&v, &plots);
+    v
 }
 
 /// The fields every interference run's JSON holds, and its plots.
