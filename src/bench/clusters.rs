@@ -14,8 +14,9 @@ use duet_runtime::metrics as m;
 use super::experiment::Params;
 use super::prom::{labelled, quantile};
 
-/// The decode worker's series' labels.
+/// The workers' series' labels.
 const DECODE: &str = "role=\"decode\"";
+const PREFILL: &str = "role=\"prefill\"";
 
 /// The decode worker's engine steps over one run (its `duet_engine_step_*` metrics, read
 /// from its admin API before the cluster stops): what a steady sequence's gap is made of.
@@ -49,12 +50,7 @@ impl DecodeSteps {
     fn from_metrics(text: &str) -> DecodeSteps {
         let value = |name: &str| labelled(text, name, DECODE);
         // The worker's own series (no role label).
-        let unlabelled = |name: &str| {
-            let series = format!("{name} ");
-            text.lines()
-                .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
-                .sum::<f64>()
-        };
+        let unlabelled = |name: &str| labelled(text, name, "");
         let steps = value(&format!("{}_count", m::ENGINE_STEP));
         let per = |total: f64, n: f64| if n > 0.0 { total / n } else { 0.0 };
         let checks = unlabelled(&format!("{}_count", m::KV_VERIFY));
@@ -109,7 +105,7 @@ pub struct PrefillSteps {
 
 impl PrefillSteps {
     fn from_metrics(text: &str) -> PrefillSteps {
-        let value = |name: &str| labelled(text, name, "role=\"prefill\"");
+        let value = |name: &str| labelled(text, name, PREFILL);
         PrefillSteps {
             steps: value(&format!("{}_count", m::ENGINE_STEP)) as u64,
             busy_ms: value(&format!("{}_sum", m::ENGINE_STEP)) * 1e3,

@@ -13,6 +13,7 @@ pub(crate) mod client;
 mod clusters;
 mod experiment;
 mod host;
+mod phases;
 pub(crate) mod plots;
 mod prom;
 pub mod stats;

@@ -1,10 +1,13 @@
 //! Reading a node's Prometheus text (its admin API's `/metrics`): a series' value, and a
 //! quantile of a histogram the way Prometheus's `histogram_quantile` computes it.
 
-/// The sum of the series `name{labels}` (`labels` as rendered, without braces: `role="decode"`)
-/// in a node's Prometheus text; zero when there is none.
+/// The sum of the series `name{labels}` (`labels` as rendered, without braces: `role="decode"`;
+/// empty for a series without labels) in a node's Prometheus text; zero when there is none.
 pub(super) fn labelled(text: &str, name: &str, labels: &str) -> f64 {
-    let series = format!("{name}{{{labels}}} ");
+    let series = match labels {
+        "" => format!("{name} "),
+        l => format!("{name}{{{l}}} "),
+    };
     text.lines()
         .filter_map(|l| l.strip_prefix(&series)?.trim().parse::<f64>().ok())
         .sum::<f64>()
@@ -88,5 +91,8 @@ duet_router_itl_seconds_bucket{le=\"+Inf\"} 4
         let count = "duet_engine_step_seconds_count";
         assert_eq!(labelled(TEXT, count, "role=\"decode\""), 100.0);
         assert_eq!(labelled(TEXT, count, "role=\"prefill\""), 0.0);
+        // No labels: the series written bare, not a labelled one of the same name.
+        let text = "duet_kv_verify_seconds_count 3\nduet_kv_verify_seconds_count{x=\"y\"} 5\n";
+        assert_eq!(labelled(text, "duet_kv_verify_seconds_count", ""), 3.0);
     }
 }
