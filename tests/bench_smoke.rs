@@ -149,6 +149,24 @@ fn every_field(v: &Value, plots: &std::path::Path) {
             .filter_map(|p| phases[p]["gaps"].as_u64())
             .sum();
         assert_eq!(in_phases, steady_gaps as u64, "{mode}: {phases}");
+        // The decode worker's step log, one line per step: at least the steps its histogram
+        // had counted when it was scraped (just before), each step either while the prefill
+        // worker computed or not, and its thread on CPU or waiting for its core.
+        let split = &m["step_split"];
+        let logged = split["steps"].as_u64();
+        assert!(logged >= steps["steps"].as_u64(), "{mode}: {split} {steps}");
+        let parts = split["while_prefilling"]["steps"]
+            .as_u64()
+            .zip(split["otherwise"]["steps"].as_u64());
+        assert_eq!(parts.map(|(a, b)| a + b), logged, "{mode}: {split}");
+        if mode == "colocated" {
+            assert_eq!(split["while_prefilling"]["steps"], 0, "{split}");
+        }
+        if std::path::Path::new("/proc/thread-self/schedstat").exists() {
+            let (cpu, waited) = (split["on_cpu"].as_f64(), split["waited"].as_f64());
+            assert!(cpu > Some(0.0) && cpu <= Some(1.0), "{mode}: {split}");
+            assert!(waited >= Some(0.0) && waited < Some(1.0), "{mode}: {split}");
+        }
         assert!(
             requests.iter().any(|r| r["class"] == "steady"),
             "{mode}: no steady request"

@@ -21,6 +21,8 @@
 //! - [`outbox`]: ordered one-way messages from engine threads.
 //! - [`history`]: the page-ownership event log that fault tests check independently.
 //! - [`settings`]: the `[serving]` table of cluster.toml.
+//! - [`step_log`]: one line per engine step (`serving.step_log`): its size, wall and CPU time,
+//!   and how long its thread waited for its core ([`step_clock`]).
 
 use std::sync::Arc;
 
@@ -38,6 +40,8 @@ pub mod prefill;
 pub mod protocol;
 pub mod router;
 pub mod settings;
+pub(crate) mod step_clock;
+pub mod step_log;
 pub mod worker;
 
 #[cfg(test)]

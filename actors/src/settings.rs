@@ -28,6 +28,9 @@ pub struct ServingConfig {
     /// One info line per HTTP request on the router (`serving.access_log`, default on): method,
     /// path, status, tokens, TTFT and total time, under the log target `duet::access`.
     pub access_log: bool,
+    /// Where each worker writes one JSON line per engine step (`serving.step_log`, a folder,
+    /// relative to cluster.toml's; off by default): see [`crate::step_log`].
+    pub step_log: Option<PathBuf>,
     /// KV pages per worker.
     pub kv_pages: usize,
     /// KV element type.
@@ -151,6 +154,7 @@ struct RawServing {
     migration: Option<bool>,
     http_reuse_port: Option<bool>,
     access_log: Option<bool>,
+    step_log: Option<Spanned<String>>,
     migration_keep_secs: Option<Spanned<u64>>,
     shutdown_drain_secs: Option<Spanned<u64>>,
     device: Option<Spanned<String>>,
@@ -224,6 +228,18 @@ impl ServingConfig {
             Some(p) if PathBuf::from(p).is_absolute() => PathBuf::from(p),
             Some(p) => dir.join(p),
             None => dir.join("models").join(duet_fetch::MODEL_FILE),
+        };
+        let step_log = match &s.step_log {
+            None => None,
+            Some(p) if p.get_ref().trim().is_empty() => {
+                return Err(err(
+                    p.span().start,
+                    Some("serving.step_log"),
+                    "an empty path: expected the folder the step logs go to, such as \"steps\""
+                        .to_string(),
+                ));
+            }
+            Some(p) => Some(dir.join(p.get_ref())),
         };
         let parse_http = |h: &Spanned<String>, key: &str| -> Result<SocketAddr, ConfigError> {
             h.get_ref().parse().map_err(|_| {
@@ -482,6 +498,7 @@ impl ServingConfig {
             migration: s.migration.unwrap_or(true),
             http_reuse_port: s.http_reuse_port.unwrap_or(false),
             access_log: s.access_log.unwrap_or(true),
+            step_log,
             migration_keep: Duration::from_secs(int(
                 &s.migration_keep_secs,
                 "serving.migration_keep_secs",
@@ -608,6 +625,11 @@ mod tests {
         assert_eq!(two.kv_verify_step_bytes, 2 << 20);
         let e = read("[serving]\nkv_verify_step_mib = 0\n", "p0").expect_err("0 MiB");
         assert_eq!((e.key.as_str(), e.line), ("serving.kv_verify_step_mib", 2));
+        assert_eq!(s.step_log, None);
+        let logged = read("[serving]\nstep_log = \"steps\"\n", "p0").expect("step log");
+        assert_eq!(logged.step_log, Some(PathBuf::from("/x/steps")));
+        let e = read("[serving]\nstep_log = \" \"\n", "p0").expect_err("empty step log");
+        assert_eq!((e.key.as_str(), e.line), ("serving.step_log", 2));
         assert_eq!(
             (s.drain_fence, s.drain_backstop),
             (Duration::from_secs(2), Duration::from_secs(60))

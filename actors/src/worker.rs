@@ -14,16 +14,29 @@ use duet_runtime::wire;
 
 use crate::protocol::{LayoutInfo, LoadReport, ROUTER_SERVICE, WORKER_SERVICE, kinds};
 use crate::settings::ServingConfig;
+use crate::step_clock::StepTimes;
+use crate::step_log::StepLog;
 
 /// Records one engine step of a worker in `role`: its seconds and its size (the metrics an
-/// operator reads a slow inter-token gap from: more tokens, longer contexts, or neither).
-pub(crate) fn record_step(role: &'static str, seconds: f64, shape: StepShape) {
+/// operator reads a slow inter-token gap from: more tokens, longer contexts, or neither), the
+/// CPU time its thread got and how long it waited for its core, and its line in the step log.
+pub(crate) fn record_step(
+    role: &'static str,
+    times: &StepTimes,
+    shape: StepShape,
+    log: &mut StepLog,
+) {
     if shape.tokens == 0 {
         return;
     }
-    metrics::histogram!(m::ENGINE_STEP, "role" => role).record(seconds);
+    metrics::histogram!(m::ENGINE_STEP, "role" => role).record(times.wall.as_secs_f64());
     metrics::histogram!(m::ENGINE_STEP_TOKENS, "role" => role).record(shape.tokens as f64);
     metrics::histogram!(m::ENGINE_STEP_ATTENDED, "role" => role).record(shape.attended as f64);
+    if let (Some(cpu), Some(waited)) = (times.on_cpu, times.waited) {
+        metrics::histogram!(m::ENGINE_STEP_CPU, "role" => role).record(cpu.as_secs_f64());
+        metrics::histogram!(m::ENGINE_STEP_WAIT, "role" => role).record(waited.as_secs_f64());
+    }
+    log.write(times, shape);
 }
 
 /// Loads the model (fetching the default one if missing).

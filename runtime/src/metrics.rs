@@ -163,6 +163,15 @@ pub const ENGINE_STEP_TOKENS: &str = "duet_engine_step_tokens";
 /// KV positions one engine step's tokens attended over, summed, by `role`: the step's time
 /// is its weights' pass (with the tokens) plus its attention (with these).
 pub const ENGINE_STEP_ATTENDED: &str = "duet_engine_step_attended_tokens";
+/// CPU time the engine thread got during one engine step, by `role`: a step whose wall time
+/// is well above this one lost the rest to its thread waiting for the core
+/// (`duet_engine_step_wait_seconds`) or to interrupts and the hypervisor. With more than one
+/// compute thread this is the first one's (the engine thread's) time.
+pub const ENGINE_STEP_CPU: &str = "duet_engine_step_cpu_seconds";
+/// Time the engine thread was runnable during one engine step but another thread had its
+/// core, by `role` (the kernel's run-queue delay): another process or thread pinned to the
+/// worker's cores.
+pub const ENGINE_STEP_WAIT: &str = "duet_engine_step_wait_seconds";
 }
 
 /// Histogram buckets for latencies, in seconds (sub-millisecond transfers to minute-long
@@ -221,11 +230,17 @@ pub fn install() -> PrometheusHandle {
                 },
             );
             // A full name's buckets win over the `_seconds` suffix's.
-            let builder = [ENGINE_STEP, ROUTER_ITL].iter().fold(builder, |b, name| {
-                b.and_then(|b| {
-                    b.set_buckets_for_metric(Matcher::Full((*name).into()), TOKEN_LATENCY_BUCKETS)
-                })
-            });
+            let builder =
+                [ENGINE_STEP, ENGINE_STEP_CPU, ROUTER_ITL]
+                    .iter()
+                    .fold(builder, |b, name| {
+                        b.and_then(|b| {
+                            b.set_buckets_for_metric(
+                                Matcher::Full((*name).into()),
+                                TOKEN_LATENCY_BUCKETS,
+                            )
+                        })
+                    });
             let recorder = match builder {
                 Ok(b) => b.build_recorder(),
                 Err(_) => PrometheusBuilder::new().build_recorder(),
@@ -265,6 +280,8 @@ mod tests {
         metrics::histogram!(ENGINE_STEP, "role" => "decode").record(0.03);
         metrics::histogram!(ENGINE_STEP_TOKENS, "role" => "decode").record(4.0);
         metrics::histogram!(ENGINE_STEP_ATTENDED, "role" => "decode").record(1500.0);
+        metrics::histogram!(ENGINE_STEP_CPU, "role" => "decode").record(0.029);
+        metrics::histogram!(ENGINE_STEP_WAIT, "role" => "decode").record(0.0004);
         metrics::histogram!(ROUTER_ITL).record(0.034);
         metrics::histogram!(ROUTER_TTFT).record(0.034);
         let text = handle.render();
@@ -272,6 +289,10 @@ mod tests {
             // Per-token latencies: 10 % buckets.
             "duet_engine_step_seconds_bucket{role=\"decode\",le=\"0.028\"} 0",
             "duet_engine_step_seconds_bucket{role=\"decode\",le=\"0.03\"} 1",
+            "duet_engine_step_cpu_seconds_bucket{role=\"decode\",le=\"0.028\"} 0",
+            "duet_engine_step_cpu_seconds_bucket{role=\"decode\",le=\"0.03\"} 1",
+            "duet_engine_step_wait_seconds_bucket{role=\"decode\",le=\"0.00025\"} 0",
+            "duet_engine_step_wait_seconds_bucket{role=\"decode\",le=\"0.0005\"} 1",
             "duet_router_itl_seconds_bucket{le=\"0.033\"} 0",
             "duet_router_itl_seconds_bucket{le=\"0.036\"} 1",
             // Other latencies keep the wide ones.

@@ -171,7 +171,7 @@ impl Cluster {
         let threshold = (p.steady_prompt / 2).max(1);
         let mut text = format!(
             "[cluster]\nname = \"bench-{}\"\n\n[serving]\nmodel = \"{}\"\nhttp = \"{http}\"\n\
-             kv_pages = 1024\nmax_batch_tokens = {}\nmax_running = 64\ndisagg_threshold = {threshold}\nkv_transport = \"{}\"\n{tables}\n\
+             kv_pages = 1024\nmax_batch_tokens = {}\nmax_running = 64\ndisagg_threshold = {threshold}\nkv_transport = \"{}\"\nstep_log = \"steps\"\n{tables}\n\
              [[node]]\nname = \"router\"\nrole = \"router\"\naddress = \"127.0.0.1:{}\"\n",
             mode.name(),
             p.model,
@@ -295,6 +295,12 @@ impl Cluster {
         duet_runtime::admin::client::metrics_text(node.admin, token, Duration::from_secs(5))
             .await
             .ok()
+    }
+
+    /// Node `name`'s engine steps, from its step log (empty when it logged none).
+    pub(super) fn steps(&self, name: &str) -> Vec<duet_actors::step_log::StepRecord> {
+        let dir = self.config.parent().unwrap_or(Path::new(".")).join("steps");
+        duet_actors::step_log::read(&duet_actors::step_log::path(&dir, name)).unwrap_or_default()
     }
 
     pub(super) async fn stop(mut self) {

@@ -26,6 +26,7 @@ use super::clusters::{Cluster, DecodeSteps, Mode, PrefillSteps, RouterItl, pinne
 use super::host::CpuTimes;
 use super::phases::{ItlByPhase, Phase};
 use super::stats::{self, RequestRecord};
+use super::steps::StepSplit;
 use super::{Ask, BenchArgs, client, plots, prompt, write_json};
 
 /// The workload and cluster shape of one interference run.
@@ -97,6 +98,9 @@ pub struct ModeResult {
     pub host_steal: Option<f64>,
     /// The steady sequences' gaps by what the long prompts were doing when each ended.
     pub itl_by_phase: ItlByPhase,
+    /// The decode steps' spread split into the batch's shape and jitter, from the decode
+    /// worker's step log (`None` when it logged too few steps).
+    pub step_split: Option<StepSplit>,
     /// The parameters used.
     pub params: Params,
 }
@@ -191,6 +195,7 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             prefill_steps: cluster.prefill_steps().await,
             router_itl: cluster.router_itl().await,
             host_steal: before.zip(CpuTimes::now()).map(|(b, a)| b.steal_until(&a)),
+            step_split: StepSplit::of(&cluster.steps("d0"), &cluster.steps("p0")),
         };
         cluster.stop().await;
         let steps = nodes.decode_steps;
@@ -300,6 +305,32 @@ pub async fn interference(args: &BenchArgs) -> Result<(), String> {
             show(b.prefilling),
             show(b.joining),
             show(b.quiet)
+        );
+    }
+    for r in &runs {
+        let Some(s) = r.result.step_split else {
+            continue;
+        };
+        let pct = |v: Option<f64>| v.map_or("?".into(), |v| format!("{:.1} %", v * 1e2));
+        println!(
+            "  {:<14} decode steps one by one ({} from the step log): p99/p50 {:.2}; their shape alone {:.2} (fit: {:.1} ms + {:.2} ms a token + {:.2} ms per 1000 positions attended); over the fit {:.2}, p50 / p99 {:.2} / {:.2} while the prefill worker computed ({} steps), {:.2} / {:.2} otherwise ({}); time on CPU {}, waiting for the core {}, elsewhere (interrupts, the host) {}",
+            r.name,
+            s.steps,
+            s.wall_p99_over_p50,
+            s.shape_p99_over_p50,
+            s.fixed_ms,
+            s.per_token_ms,
+            s.per_1k_attended_ms,
+            s.residual_p99_over_p50,
+            s.while_prefilling.p50,
+            s.while_prefilling.p99,
+            s.while_prefilling.steps,
+            s.otherwise.p50,
+            s.otherwise.p99,
+            s.otherwise.steps,
+            pct(s.on_cpu),
+            pct(s.waited),
+            pct(s.elsewhere)
         );
     }
     println!(
@@ -421,6 +452,7 @@ struct FromNodes {
     prefill_steps: PrefillSteps,
     router_itl: RouterItl,
     host_steal: Option<f64>,
+    step_split: Option<StepSplit>,
 }
 
 fn result_of(records: &[RequestRecord], seconds: f64, nodes: FromNodes, p: &Params) -> ModeResult {
@@ -462,6 +494,7 @@ fn result_of(records: &[RequestRecord], seconds: f64, nodes: FromNodes, p: &Para
         prefill_steps: nodes.prefill_steps,
         router_itl: nodes.router_itl,
         host_steal: nodes.host_steal,
+        step_split: nodes.step_split,
         params: p.clone(),
     }
 }

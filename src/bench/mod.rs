@@ -17,6 +17,7 @@ mod phases;
 pub(crate) mod plots;
 mod prom;
 pub mod stats;
+mod steps;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

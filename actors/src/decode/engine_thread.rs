@@ -91,6 +91,8 @@ pub(super) struct DecodeCore {
     pub(super) prefill_incarnations: HashMap<String, u64>,
     /// Each prefill node's engine steps, from its last heartbeat that held an attempt of ours.
     pub(super) prefill_steps: HashMap<String, u64>,
+    /// One line per engine step, where `serving.step_log` asks for it.
+    pub(super) step_log: crate::step_log::StepLog,
 }
 
 impl DecodeCore {
@@ -359,12 +361,13 @@ impl DecodeCore {
 
     pub(super) fn step(&mut self, items: &mut Vec<(String, TokenItem)>) {
         // Wall time for the metric only: the logic sees `self.now`.
-        let started = Instant::now();
+        let clock = crate::step_clock::StepClock::start();
         let stepped = self.runner.step();
         crate::worker::record_step(
             "decode",
-            started.elapsed().as_secs_f64(),
+            &clock.stop(),
             self.runner.last_step,
+            &mut self.step_log,
         );
         match stepped {
             Ok(events) => {

@@ -285,6 +285,7 @@ impl Actor for DecodeWorker {
                 now: Instant::now(),
                 spans: HashMap::new(),
                 first_tokens: HashSet::new(),
+                step_log: crate::step_log::StepLog::open(settings.step_log.as_deref(), &node),
             };
             std::thread::Builder::new()
                 .name(format!("duet-decode-{node}"))

@@ -71,6 +71,8 @@ pub(super) struct PrefillCore {
     /// The time of this turn (see [`PrefillCore::turn`]).
     pub(super) now: Instant,
     pub(super) stop: Arc<std::sync::atomic::AtomicBool>,
+    /// One line per engine step, where `serving.step_log` asks for it.
+    pub(super) step_log: crate::step_log::StepLog,
 }
 
 impl PrefillCore {
@@ -334,6 +336,7 @@ impl PrefillCore {
         if plan.items.is_empty() {
             return;
         }
+        let clock = crate::step_clock::StepClock::start();
         let started = Instant::now();
         let mut chunk_spans = Vec::with_capacity(plan.items.len());
         for it in &plan.items {
@@ -417,7 +420,7 @@ impl PrefillCore {
             Ok(e) => e,
             Err(e) => return self.fail_all(ServingError::Prefill(format!("commit: {e}"))),
         };
-        crate::worker::record_step("prefill", started.elapsed().as_secs_f64(), plan.shape());
+        crate::worker::record_step("prefill", &clock.stop(), plan.shape(), &mut self.step_log);
         for ev in events {
             let (Some(sampler), Some(f)) = (ev.handoff, self.flights.get(&ev.seq)) else {
                 continue;

@@ -187,6 +187,7 @@ impl Actor for PrefillWorker {
                 epoch: Instant::now(),
                 now: Instant::now(),
                 stop: stop.clone(),
+                step_log: crate::step_log::StepLog::open(settings.step_log.as_deref(), &node),
             };
             std::thread::Builder::new()
                 .name(format!("duet-prefill-{node}"))
