@@ -337,7 +337,7 @@ impl PrefillCore {
             return;
         }
         let clock = crate::step_clock::StepClock::start();
-        let started = Instant::now();
+        let started = clock.started();
         let mut chunk_spans = Vec::with_capacity(plan.items.len());
         for it in &plan.items {
             if let Some(f) = self.flights.get_mut(&it.seq) {
